@@ -1,0 +1,16 @@
+"""cpu_layout: a torch.compile backend for x86 CPUs (see README.md).
+
+Submodules load lazily so that `import cpu_layout` stays cheap and the
+layout planner can be used without the native extension.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("ops", "layout", "plan", "config")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"cpu_layout.{name}")
+    raise AttributeError(f"module 'cpu_layout' has no attribute {name!r}")

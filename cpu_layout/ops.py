@@ -1,0 +1,478 @@
+"""Forward convolutions on cpu_layout's own oneDNN primitives.
+
+    y = cpu_layout.ops.conv2d(x, w, b, stride=2, padding=1,
+                              post_ops=[("add", residual), "relu"],
+                              out_layout="nhwc")
+
+Inference only. Inputs may have any strides: NCHW- and NHWC-dense tensors are
+used in place, anything else is copied once into the layout of the output.
+Weights are reordered once per (tensor, version) and kept in the extension's
+cache; primitives are cached by problem shape (LRU, see `set_cache_capacity`).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+from torch._prims_common import suggest_memory_format
+
+from cpu_layout import _native
+from cpu_layout._native import ffi, lib
+
+__all__ = [
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "POST_OPS",
+    "cache_stats",
+    "clear_caches",
+    "set_cache_capacity",
+    "impl_name",
+]
+
+_DTYPES = {torch.float32: lib.CL_F32, torch.bfloat16: lib.CL_BF16}
+
+# name -> (kind, default alpha, default beta, number of float parameters)
+POST_OPS = {
+    "relu": (lib.CL_PO_RELU, 0.0, 0.0, 0),
+    "leaky_relu": (lib.CL_PO_RELU, 0.01, 0.0, 1),
+    "silu": (lib.CL_PO_SILU, 1.0, 0.0, 0),
+    "gelu": (lib.CL_PO_GELU_ERF, 0.0, 0.0, 0),
+    "gelu_erf": (lib.CL_PO_GELU_ERF, 0.0, 0.0, 0),
+    "gelu_tanh": (lib.CL_PO_GELU_TANH, 0.0, 0.0, 0),
+    "hardswish": (lib.CL_PO_HARDSWISH, 0.0, 0.0, 0),
+    "sigmoid": (lib.CL_PO_SIGMOID, 0.0, 0.0, 0),
+    "tanh": (lib.CL_PO_TANH, 0.0, 0.0, 0),
+    "relu6": (lib.CL_PO_CLAMP, 0.0, 6.0, 0),
+    "clamp": (lib.CL_PO_CLAMP, float("-inf"), float("inf"), 2),
+    "add": (lib.CL_PO_ADD, 0.0, 0.0, 0),
+}
+
+PostOp = Union[str, tuple]
+
+_CL_FORMAT = {1: None, 2: torch.channels_last, 3: torch.channels_last_3d}
+
+
+# ---- weight identity ---------------------------------------------------------
+
+_serials = itertools.count(1)
+_serial_lock = threading.Lock()
+
+
+def _weight_serial(w: torch.Tensor) -> int:
+    """A number that names this tensor object for as long as it lives.
+
+    Unlike id() or data_ptr(), it is never reused, so a new tensor that lands
+    at a dead one's address cannot pick up the dead one's reordered copy. When
+    the tensor dies, the extension drops its copies.
+    """
+    serial = getattr(w, "_cpu_layout_serial", None)
+    if serial is None:
+        with _serial_lock:
+            serial = getattr(w, "_cpu_layout_serial", None)
+            if serial is None:
+                serial = next(_serials)
+                w._cpu_layout_serial = serial
+                weakref.finalize(w, lib.cl_weight_release, serial)
+    return serial
+
+
+# ---- argument handling -------------------------------------------------------
+
+
+def _tuple(v, n, name):
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v,) * n
+    try:
+        t = tuple(int(i) for i in v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {v!r}") from None
+    if len(t) == 1:
+        t = t * n
+    if len(t) != n:
+        raise ValueError(f"{name} must have {n} values for a {n}-d convolution, got {v!r}")
+    return t
+
+
+def _layout_flag(out_layout, nsp):
+    """Return True for channels-last output, False for contiguous, None for 'like torch'."""
+    if out_layout is None or out_layout == "auto":
+        return None
+    if out_layout in ("nchw", "ncw", "ncdhw", "contiguous", torch.contiguous_format):
+        return False
+    if out_layout in ("nhwc", "nwc", "ndhwc", "channels_last", torch.channels_last, torch.channels_last_3d):
+        return True
+    raise ValueError(
+        f"out_layout must be None, 'contiguous'/'nchw' or 'channels_last'/'nhwc', got {out_layout!r}"
+    )
+
+
+def is_channels_last_dense(t: torch.Tensor) -> bool:
+    """Memory is dense with channels innermost (NWC / NHWC / NDHWC).
+
+    Sizes of 1 are ignored, as torch's own contiguity checks do: such a
+    dimension's stride never addresses memory.
+    """
+    if t.dim() == 3:
+        return t.transpose(1, 2).is_contiguous()
+    return t.is_contiguous(memory_format=_CL_FORMAT[t.dim() - 2])
+
+
+def torch_prefers_channels_last(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The output memory format eager `torch.nn.functional.convNd` picks on CPU."""
+    nsp = x.dim() - 2
+    if nsp == 1:
+        return False
+    fmt = _CL_FORMAT[nsp]
+    return suggest_memory_format(x) == fmt or suggest_memory_format(w) == fmt
+
+
+def _empty(size, dtype, channels_last):
+    if not channels_last:
+        return torch.empty(size, dtype=dtype)
+    if len(size) == 3:
+        n, c, w = size
+        return torch.empty((n, w, c), dtype=dtype).transpose(1, 2)
+    return torch.empty(size, dtype=dtype, memory_format=_CL_FORMAT[len(size) - 2])
+
+
+def _to_layout(t, channels_last):
+    if channels_last:
+        if is_channels_last_dense(t):
+            return t
+        if t.dim() == 3:
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        return t.contiguous(memory_format=_CL_FORMAT[t.dim() - 2])
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _parse_post_ops(post_ops: Sequence[PostOp]):
+    parsed = []
+    for po in post_ops or ():
+        if isinstance(po, str):
+            name, params = po, ()
+        elif isinstance(po, (tuple, list)) and po and isinstance(po[0], str):
+            name, params = po[0], tuple(po[1:])
+        else:
+            raise ValueError(f"post-op must be a name or a (name, *params) tuple, got {po!r}")
+        if name not in POST_OPS:
+            raise ValueError(f"unknown post-op {name!r}; supported: {', '.join(sorted(POST_OPS))}")
+        kind, alpha, beta, nparams = POST_OPS[name]
+        if name == "add":
+            if len(params) != 1 or not isinstance(params[0], torch.Tensor):
+                raise ValueError("post-op 'add' takes exactly one tensor: ('add', residual)")
+            parsed.append((kind, 0.0, 0.0, params[0]))
+            continue
+        if len(params) > nparams:
+            raise ValueError(f"post-op {name!r} takes {nparams} parameter(s), got {len(params)}")
+        if name == "clamp":
+            lo = params[0] if len(params) > 0 and params[0] is not None else alpha
+            hi = params[1] if len(params) > 1 and params[1] is not None else beta
+            if lo > hi:
+                raise ValueError(f"clamp needs low <= high, got {lo} > {hi}")
+            alpha, beta = float(lo), float(hi)
+        elif nparams == 1 and params:
+            alpha = float(params[0])
+        parsed.append((kind, alpha, beta, None))
+    if len(parsed) > lib.CL_MAX_POST_OPS:
+        raise ValueError(f"at most {lib.CL_MAX_POST_OPS} post-ops, got {len(parsed)}")
+    return parsed
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A validated convolution: the C struct (shared, read-only) and what the
+    Python side needs per call. Cached by the call's shapes and options."""
+
+    args: object  # cdata `cl_conv_args *`
+    out_size: tuple
+    dst_cl: bool
+    src_cl: bool
+    copy_src: bool  # input memory is neither NCHW- nor NHWC-dense
+    w_cl: bool
+    copy_w: bool
+
+
+_problems: dict = {}
+_problems_lock = threading.Lock()
+_PROBLEM_CACHE_MAX = 4096
+
+
+def _fmt_class(t):
+    """0: dense contiguous, 1: dense channels-last, 2: both (size-1 dims), 3: neither."""
+    cf = t.is_contiguous()
+    cl = is_channels_last_dense(t)
+    return 2 if cf and cl else 0 if cf else 1 if cl else 3
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _post_op_key(post_ops):
+    """Post-ops without their tensors, plus the residuals in order."""
+    if not post_ops:
+        return (), ()
+    key, tensors = [], []
+    for po in post_ops:
+        if isinstance(po, str):
+            key.append(po)
+        elif isinstance(po, (tuple, list)) and po and po[0] == "add":
+            key.append(("add", len(po)) + tuple(type(t).__name__ for t in po[1:]))
+            tensors.extend(t for t in po[1:] if isinstance(t, torch.Tensor))
+        else:
+            key.append(tuple(po) if isinstance(po, (tuple, list)) else (po,))
+    return tuple(key), tuple(tensors)
+
+
+def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, xfmt, wfmt):
+    """Check everything about a call that does not change between calls with the same key."""
+    for name, t in (("input", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; cpu_layout runs on the CPU only")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"input dtype must be float32 or bfloat16, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if bias is not None and bias.dtype != x.dtype:
+        raise TypeError(f"input ({x.dtype}) and bias ({bias.dtype}) must have the same dtype")
+    if x.numel() == 0:
+        raise ValueError(f"input is empty (size {tuple(x.shape)})")
+    if weight.numel() == 0:
+        raise ValueError(f"weight is empty (size {tuple(weight.shape)})")
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    n, ic = x.shape[0], x.shape[1]
+    oc, icg = weight.shape[0], weight.shape[1]
+    if ic % groups or oc % groups:
+        raise ValueError(
+            f"in_channels ({ic}) and out_channels ({oc}) must be divisible by groups ({groups})"
+        )
+    if icg * groups != ic:
+        raise ValueError(
+            f"input has {ic} channels but weight {tuple(weight.shape)} with groups={groups} "
+            f"expects {icg * groups}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != oc):
+        raise ValueError(f"bias must have size ({oc},), got {tuple(bias.shape)}")
+
+    stride = _tuple(stride, nsp, "stride")
+    dilation = _tuple(dilation, nsp, "dilation")
+    if any(s <= 0 for s in stride):
+        raise ValueError(f"stride must be positive, got {stride}")
+    if any(d <= 0 for d in dilation):
+        raise ValueError(f"dilation must be positive, got {dilation}")
+    in_sp = tuple(x.shape[2:])
+    k_sp = tuple(weight.shape[2:])
+    if isinstance(padding, str):
+        if padding == "valid":
+            pad_l = pad_r = (0,) * nsp
+        elif padding == "same":
+            if any(s != 1 for s in stride):
+                raise ValueError("padding='same' is not supported for strided convolutions")
+            total = [d * (k - 1) for d, k in zip(dilation, k_sp)]
+            pad_l = tuple(t // 2 for t in total)
+            pad_r = tuple(t - t // 2 for t in total)  # torch pads the odd one on the right
+        else:
+            raise ValueError(f"padding must be 'valid', 'same', an int or a tuple, got {padding!r}")
+    else:
+        pad_l = pad_r = _tuple(padding, nsp, "padding")
+        if any(p < 0 for p in pad_l):
+            raise ValueError(f"padding must be non-negative, got {padding!r}")
+    out_sp = []
+    for i in range(nsp):
+        span = dilation[i] * (k_sp[i] - 1) + 1
+        if in_sp[i] + pad_l[i] + pad_r[i] < span:
+            raise ValueError(
+                f"kernel {k_sp} (dilation {dilation}) is larger than the padded input "
+                f"{tuple(s + a + b for s, a, b in zip(in_sp, pad_l, pad_r))}"
+            )
+        out_sp.append((in_sp[i] + pad_l[i] + pad_r[i] - span) // stride[i] + 1)
+
+    parsed = _parse_post_ops(post_ops)
+    dst_cl = _layout_flag(out_layout, nsp)
+    if dst_cl is None:
+        dst_cl = torch_prefers_channels_last(x, weight)
+    # Dense NCHW/NHWC input is used in place; anything else is copied into
+    # the output's layout. When both fit (size-1 dims) the bytes are the same.
+    src_cl = dst_cl if xfmt in (2, 3) else xfmt == 1
+    w_cl = wfmt == 1
+
+    a = ffi.new("cl_conv_args *")
+    a.nsp = nsp
+    a.dtype = _DTYPES[x.dtype]
+    a.has_bias = bias is not None
+    a.bias_dtype = _DTYPES[bias.dtype] if bias is not None else 0
+    a.src_cl = src_cl
+    a.dst_cl = dst_cl
+    a.w_cl = w_cl
+    a.n, a.ic, a.oc, a.groups = n, ic, oc, groups
+    for i in range(nsp):
+        a.in_sp[i], a.k_sp[i], a.out_sp[i] = in_sp[i], k_sp[i], out_sp[i]
+        a.stride[i], a.dilation[i] = stride[i], dilation[i]
+        a.pad_l[i], a.pad_r[i] = pad_l[i], pad_r[i]
+    a.n_post_ops = len(parsed)
+    for i, (kind, alpha, beta, _) in enumerate(parsed):
+        a.post_ops[i].kind = kind
+        a.post_ops[i].alpha = alpha
+        a.post_ops[i].beta = beta
+    return _Problem(a, (n, oc, *out_sp), dst_cl, src_cl, xfmt == 3, w_cl, wfmt == 3)
+
+
+def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout):
+    xfmt = _fmt_class(x)
+    wfmt = 0 if weight.is_contiguous() else _fmt_class(weight)
+    po_key, residuals = _post_op_key(post_ops)
+    key = (
+        nsp, x.dtype, x.shape, xfmt, weight.dtype, weight.shape, wfmt,
+        None if bias is None else (bias.dtype, bias.shape, bias.dim()),
+        _hashable(stride), _hashable(padding), _hashable(dilation), groups, po_key,
+        out_layout if isinstance(out_layout, (str, type(None))) else str(out_layout),
+    )
+    try:
+        prob = _problems.get(key)
+    except TypeError:  # unhashable option: validate and fail with the reason
+        prob, key = None, None
+    if prob is None:
+        prob = _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
+                         out_layout, xfmt, wfmt)
+        if key is not None:
+            with _problems_lock:
+                if len(_problems) >= _PROBLEM_CACHE_MAX:
+                    _problems.clear()
+                _problems[key] = prob
+    return prob, residuals
+
+
+def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout):
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("input and weight must be tensors")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError("bias must be a tensor or None")
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        raise RuntimeError(
+            "cpu_layout convolutions are inference-only: run under torch.no_grad() or "
+            "torch.inference_mode()"
+        )
+    unbatched = x.dim() == nsp + 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    if x.dim() != nsp + 2:
+        raise ValueError(
+            f"conv{nsp}d expects a {nsp + 1}-d (unbatched) or {nsp + 2}-d input, got size {tuple(x.shape)}"
+        )
+    if weight.dim() != nsp + 2:
+        raise ValueError(f"conv{nsp}d expects a {nsp + 2}-d weight, got size {tuple(weight.shape)}")
+    prob, residuals = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+    if prob.copy_src:
+        x = _to_layout(x, prob.dst_cl)
+    if prob.copy_w:
+        # Copied on every call: keep odd-strided weights contiguous yourself.
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    res_ptrs = ffi.NULL
+    if residuals:
+        kept = []
+        for r in residuals:
+            if tuple(r.shape) != prob.out_size:
+                raise ValueError(
+                    f"residual for 'add' must have the output's size {prob.out_size}, got {tuple(r.shape)}"
+                )
+            if r.dtype != x.dtype:
+                raise TypeError(f"residual dtype {r.dtype} differs from the input's {x.dtype}")
+            if r.device.type != "cpu":
+                raise ValueError(f"residual is on {r.device}; cpu_layout runs on the CPU only")
+            kept.append(_to_layout(r, prob.dst_cl))
+        residuals = kept  # keeps converted copies alive through the call
+        res_ptrs = ffi.new("uintptr_t[]", [r.data_ptr() for r in kept])
+    y = _empty(prob.out_size, x.dtype, prob.dst_cl)
+    rc = lib.cl_conv_forward(
+        prob.args,
+        x.data_ptr(),
+        weight.data_ptr(),
+        _weight_serial(weight),
+        weight._version,
+        bias.data_ptr() if bias is not None else 0,
+        y.data_ptr(),
+        res_ptrs,
+    )
+    _native.check(rc)
+    return y.squeeze(0) if unbatched else y
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
+    """2-d forward convolution with optional fused post-ops.
+
+    post_ops: applied in order to conv(x) + bias. Names: relu, leaky_relu
+    (slope), silu, gelu / gelu_erf, gelu_tanh, hardswish, sigmoid, tanh, relu6,
+    ("clamp", low, high), ("add", residual). The residual must have the
+    output's size and dtype.
+    out_layout: None (the format eager torch would give), "contiguous"/"nchw"
+    or "channels_last"/"nhwc" (torch memory formats work too).
+    """
+    return _run(2, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+
+
+def conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
+    """1-d forward convolution; same arguments as `conv2d` (channels-last means NWC)."""
+    return _run(1, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+
+
+def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
+    """3-d forward convolution; same arguments as `conv2d` (channels-last means NDHWC)."""
+    return _run(3, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+
+
+def impl_name(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
+    """The oneDNN implementation that runs this convolution (e.g. 'brgconv:avx2')."""
+    nsp = x.dim() - 2
+    if nsp not in (1, 2, 3) or weight.dim() != x.dim():
+        raise ValueError(f"impl_name needs a batched 3/4/5-d input and a weight of the same rank")
+    prob, _ = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+    out = ffi.new("char[]", 256)
+    _native.check(lib.cl_conv_impl_name(prob.args, out, 256))
+    return ffi.string(out).decode()
+
+
+def cache_stats() -> dict:
+    """Counters of the extension's caches (monotonic except the *_size entries)."""
+    s = ffi.new("cl_stats *")
+    lib.cl_get_stats(s)
+    return {
+        name: getattr(s, name)
+        for name in (
+            "primitives_created",
+            "primitive_cache_hits",
+            "primitive_cache_size",
+            "weight_reorders",
+            "weight_cache_size",
+            "converted_calls",
+            "ref_primitives",
+            "calls",
+        )
+    }
+
+
+def clear_caches() -> None:
+    """Drop all cached primitives and reordered weights."""
+    with _problems_lock:
+        _problems.clear()
+    lib.cl_clear_caches()
+
+
+def set_cache_capacity(n: int) -> None:
+    """Maximum number of cached convolution primitives (least recently used go first)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"cache capacity must be a positive int, got {n!r}")
+    lib.cl_set_primitive_cache_capacity(n)
+
+
+def cache_capacity() -> int:
+    return lib.cl_primitive_cache_capacity()

@@ -1,0 +1,100 @@
+/* C ABI of the cpu_layout oneDNN extension.
+ *
+ * This header is parsed by cffi (csrc/build_ffi.py reads it verbatim), so it
+ * must stay plain C declarations: no macros in declarations, no includes.
+ * Every function returns 0 on success; on failure it returns non-zero and
+ * writes a NUL-terminated reason into `err` (at most `errlen` bytes).
+ */
+
+enum {
+    CL_F32 = 0,
+    CL_BF16 = 1
+};
+
+enum {
+    CL_PO_RELU = 1,      /* alpha: negative slope (0 for ReLU) */
+    CL_PO_SILU = 2,
+    CL_PO_GELU_TANH = 3,
+    CL_PO_GELU_ERF = 4,
+    CL_PO_HARDSWISH = 5,
+    CL_PO_SIGMOID = 6,
+    CL_PO_TANH = 7,
+    CL_PO_CLAMP = 8,     /* alpha: low, beta: high */
+    CL_PO_ADD = 9        /* residual tensor of dst's shape, dtype and format */
+};
+
+enum {
+    CL_MAX_SPATIAL = 3,
+    CL_MAX_POST_OPS = 8
+};
+
+typedef struct {
+    int kind;
+    float alpha;
+    float beta;
+} cl_post_op;
+
+/* Everything that identifies a convolution problem; no data pointers, so a
+ * filled struct can be cached and shared by threads. Spatial arrays use the
+ * first `nsp` entries. */
+typedef struct {
+    int nsp;             /* spatial rank: 1, 2 or 3 */
+    int dtype;           /* CL_F32 or CL_BF16: src, weights, dst and residual */
+    int bias_dtype;      /* dtype of bias when has_bias */
+    int has_bias;
+    int src_cl;          /* 1: src is channels-last (NWC/NHWC/NDHWC), 0: NCW/NCHW/NCDHW */
+    int dst_cl;
+    int w_cl;            /* 1: weight is channels-last (O..I), 0: contiguous (OI..) */
+    long long n;
+    long long ic;
+    long long oc;
+    long long groups;
+    long long in_sp[3];
+    long long k_sp[3];
+    long long out_sp[3];
+    long long stride[3];
+    long long pad_l[3];
+    long long pad_r[3];
+    long long dilation[3];   /* PyTorch convention: 1 means no dilation */
+    int n_post_ops;
+    cl_post_op post_ops[8];
+} cl_conv_args;
+
+typedef struct {
+    long long primitives_created;
+    long long primitive_cache_hits;
+    long long primitive_cache_size;
+    long long weight_reorders;
+    long long weight_cache_size;
+    long long converted_calls;  /* calls that converted dtype or format at the edges */
+    long long ref_primitives;   /* primitives that only had a reference kernel */
+    long long calls;
+} cl_stats;
+
+/* weight_id names the weight tensor with a number that is never reused;
+ * together with its version counter and data pointer it keys the reordered
+ * copy, so an in-place change or new storage is never served stale.
+ * residuals: one pointer per CL_PO_ADD post-op, in post-op order (NULL if none). */
+/* Tensors are passed as addresses (uintptr_t) so Python can hand over
+ * data_ptr() values without building pointer objects on every call. */
+int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight,
+                    unsigned long long weight_id, long long weight_version,
+                    uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
+
+const char *cl_last_error(void);
+
+/* Implementation name oneDNN chose for this problem (builds it if needed). */
+int cl_conv_impl_name(const cl_conv_args *args, char *out, int outlen);
+
+/* Drop every reordered copy of one weight (called when the tensor dies). */
+void cl_weight_release(unsigned long long weight_id);
+
+void cl_get_stats(cl_stats *out);
+void cl_clear_caches(void);
+void cl_set_primitive_cache_capacity(int capacity);
+int cl_primitive_cache_capacity(void);
+
+/* Runtime facts. */
+int cl_dnnl_version(int *major, int *minor, int *patch);
+int cl_cpu_isa(char *out, int outlen);
+int cl_native_bf16(void);

@@ -1,0 +1,702 @@
+// Forward convolution on oneDNN, owned by cpu_layout.
+//
+// Why not torch's mkldnn ops: torch hides its oneDNN copy (no dnnl_* symbols
+// exported), and its prepacked path pays per-call overhead we can avoid by
+// caching primitives and reordered weights ourselves.
+
+#include <oneapi/dnnl/dnnl.hpp>
+#include <oneapi/dnnl/dnnl_version.h>
+
+// torch/include ships newer oneDNN headers; make sure the build used the 3.2
+// headers that match the library we link and load.
+static_assert(DNNL_VERSION_MAJOR == 3 && DNNL_VERSION_MINOR == 2,
+              "cpu_layout must be compiled against oneDNN 3.2 headers");
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+extern "C" {
+#include "cl_api.h"
+}
+
+namespace {
+
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+using dt = dnnl::memory::data_type;
+
+dnnl::engine &cpu_engine() {
+    static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+    return eng;
+}
+
+// One stream per calling thread: streams are cheap, and sharing one across
+// threads would serialise independent Python threads.
+dnnl::stream &thread_stream() {
+    thread_local dnnl::stream s(cpu_engine());
+    return s;
+}
+
+// Grow-only per-thread buffer for scratchpads and bf16-emulation temporaries,
+// so the steady state allocates nothing per call.
+struct ThreadBuffer {
+    std::unique_ptr<uint8_t[]> data;
+    size_t size = 0;
+    uint8_t *get(size_t n) {
+        if (n > size) {
+            data.reset(new uint8_t[n + 64]);
+            size = n;
+        }
+        // 64-byte alignment for vector loads.
+        uintptr_t p = reinterpret_cast<uintptr_t>(data.get());
+        return reinterpret_cast<uint8_t *>((p + 63) & ~uintptr_t(63));
+    }
+};
+thread_local ThreadBuffer t_scratch;
+thread_local ThreadBuffer t_temps;
+
+struct Stats {
+    std::atomic<long long> primitives_created{0}, primitive_cache_hits{0}, weight_reorders{0},
+        converted_calls{0}, calls{0}, ref_primitives{0};
+} g_stats;
+
+bool native_bf16() {
+    static const bool v = dnnl::get_effective_cpu_isa() >= dnnl::cpu_isa::avx512_core;
+    return v;
+}
+
+dt to_dt(int d) {
+    if (d == CL_F32) return dt::f32;
+    if (d == CL_BF16) return dt::bf16;
+    throw std::invalid_argument("unsupported dtype code " + std::to_string(d));
+}
+
+size_t dt_size(dt d) { return d == dt::f32 ? 4 : 2; }
+
+tag act_tag(int nsp, bool cl) {
+    switch (nsp) {
+        case 1: return cl ? tag::nwc : tag::ncw;
+        case 2: return cl ? tag::nhwc : tag::nchw;
+        case 3: return cl ? tag::ndhwc : tag::ncdhw;
+    }
+    throw std::invalid_argument("spatial rank must be 1, 2 or 3");
+}
+
+tag wei_tag(int nsp, bool grouped, bool cl) {
+    switch (nsp) {
+        case 1: return grouped ? (cl ? tag::gowi : tag::goiw) : (cl ? tag::owi : tag::oiw);
+        case 2: return grouped ? (cl ? tag::gohwi : tag::goihw) : (cl ? tag::ohwi : tag::oihw);
+        case 3: return grouped ? (cl ? tag::godhwi : tag::goidhw) : (cl ? tag::odhwi : tag::oidhw);
+    }
+    throw std::invalid_argument("spatial rank must be 1, 2 or 3");
+}
+
+// The primitive-cache key: the problem without pointers or weight identity,
+// normalised so unused fields and padding bytes are zero.
+struct Key {
+    cl_conv_args a;
+    bool operator==(const Key &o) const { return std::memcmp(&a, &o.a, sizeof(a)) == 0; }
+};
+struct KeyHash {
+    size_t operator()(const Key &k) const {
+        // Word-wise multiply-xorshift over the (zero-padded) struct.
+        static_assert(sizeof(cl_conv_args) % sizeof(uint32_t) == 0, "key is word-sized");
+        uint32_t w[sizeof(cl_conv_args) / sizeof(uint32_t)];
+        std::memcpy(w, &k.a, sizeof(w));
+        uint64_t h = 0x9E3779B97F4A7C15ull;
+        for (uint32_t v : w) {
+            h ^= v;
+            h *= 0xBF58476D1CE4E5B9ull;
+            h ^= h >> 31;
+        }
+        return static_cast<size_t>(h);
+    }
+};
+
+Key make_key(const cl_conv_args &in) {
+    Key k;
+    std::memset(&k.a, 0, sizeof(k.a));
+    cl_conv_args &a = k.a;
+    a.nsp = in.nsp;
+    a.dtype = in.dtype;
+    a.has_bias = in.has_bias ? 1 : 0;
+    a.bias_dtype = in.has_bias ? in.bias_dtype : 0;
+    a.src_cl = in.src_cl ? 1 : 0;
+    a.dst_cl = in.dst_cl ? 1 : 0;
+    a.w_cl = in.w_cl ? 1 : 0;
+    a.n = in.n;
+    a.ic = in.ic;
+    a.oc = in.oc;
+    a.groups = in.groups;
+    for (int i = 0; i < in.nsp && i < CL_MAX_SPATIAL; ++i) {
+        a.in_sp[i] = in.in_sp[i];
+        a.k_sp[i] = in.k_sp[i];
+        a.out_sp[i] = in.out_sp[i];
+        a.stride[i] = in.stride[i];
+        a.pad_l[i] = in.pad_l[i];
+        a.pad_r[i] = in.pad_r[i];
+        a.dilation[i] = in.dilation[i];
+    }
+    a.n_post_ops = in.n_post_ops;
+    for (int i = 0; i < in.n_post_ops && i < CL_MAX_POST_OPS; ++i) {
+        a.post_ops[i].kind = in.post_ops[i].kind;
+        a.post_ops[i].alpha = in.post_ops[i].alpha;
+        a.post_ops[i].beta = in.post_ops[i].beta;
+    }
+    return k;
+}
+
+void validate(const cl_conv_args &a) {
+    auto fail = [](const std::string &m) { throw std::invalid_argument(m); };
+    if (a.nsp < 1 || a.nsp > CL_MAX_SPATIAL) fail("spatial rank must be 1, 2 or 3");
+    if (a.dtype != CL_F32 && a.dtype != CL_BF16) fail("dtype must be float32 or bfloat16");
+    if (a.has_bias && a.bias_dtype != CL_F32 && a.bias_dtype != CL_BF16)
+        fail("bias dtype must be float32 or bfloat16");
+    if (a.n <= 0 || a.ic <= 0 || a.oc <= 0) fail("batch and channel counts must be positive");
+    if (a.groups <= 0) fail("groups must be positive");
+    if (a.ic % a.groups || a.oc % a.groups) fail("channels must be divisible by groups");
+    for (int i = 0; i < a.nsp; ++i) {
+        if (a.in_sp[i] <= 0 || a.k_sp[i] <= 0 || a.out_sp[i] <= 0)
+            fail("spatial sizes must be positive");
+        if (a.stride[i] <= 0) fail("stride must be positive");
+        if (a.dilation[i] <= 0) fail("dilation must be positive");
+        if (a.pad_l[i] < 0 || a.pad_r[i] < 0) fail("padding must be non-negative");
+        long long span = a.dilation[i] * (a.k_sp[i] - 1) + 1;
+        long long padded = a.in_sp[i] + a.pad_l[i] + a.pad_r[i];
+        if (padded < span || (padded - span) / a.stride[i] + 1 != a.out_sp[i])
+            fail("output size " + std::to_string(a.out_sp[i]) + " in spatial dim " + std::to_string(i) +
+                 " does not follow from input, kernel, stride, padding and dilation");
+    }
+    if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) fail("too many post-ops");
+    for (int i = 0; i < a.n_post_ops; ++i) {
+        int k = a.post_ops[i].kind;
+        if (k < CL_PO_RELU || k > CL_PO_ADD) fail("unknown post-op kind " + std::to_string(k));
+    }
+}
+
+struct ConvEntry {
+    dnnl::convolution_forward prim;
+    memory::desc src_md, wei_md, bias_md, dst_md;  // what the primitive computes on
+    memory::desc scratch_md;
+    memory::desc user_wei_md;               // torch's weight layout and dtype
+    memory::desc user_src_md, user_dst_md;  // the caller's tensors (residuals share dst's)
+    // Set when the primitive's src/dst differ from the caller's in dtype
+    // (bf16 computed in f32) or format (no fast kernel for mixed layouts).
+    bool convert_src = false, convert_dst = false;
+    dnnl::reorder src_in, dst_out, res_in;
+    bool bias_to_f32 = false;
+    std::vector<int> add_slots;  // post-op indices of residual adds
+    size_t scratch_bytes = 0;
+    std::string impl;
+};
+
+dnnl::algorithm eltwise_alg(int kind, float &alpha, float &beta) {
+    switch (kind) {
+        case CL_PO_RELU: beta = 0.f; return dnnl::algorithm::eltwise_relu;
+        case CL_PO_SILU: alpha = 1.f; beta = 0.f; return dnnl::algorithm::eltwise_swish;
+        case CL_PO_GELU_TANH: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_tanh;
+        case CL_PO_GELU_ERF: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_erf;
+        // torch: x * relu6(x + 3) / 6 == x * clamp(x/6 + 1/2, 0, 1)
+        case CL_PO_HARDSWISH: alpha = 1.f / 6.f; beta = 0.5f; return dnnl::algorithm::eltwise_hardswish;
+        case CL_PO_SIGMOID: alpha = beta = 0.f; return dnnl::algorithm::eltwise_logistic;
+        case CL_PO_TANH: alpha = beta = 0.f; return dnnl::algorithm::eltwise_tanh;
+        case CL_PO_CLAMP: return dnnl::algorithm::eltwise_clip_v2;
+    }
+    throw std::invalid_argument("not an eltwise post-op");
+}
+
+bool is_ref(const char *impl) { return std::strstr(impl, "ref") != nullptr; }
+
+// Build the primitive descriptor for `compute` dtype; returns an empty pd when
+// oneDNN only has a reference kernel (or nothing) and `reject_ref` is set.
+// Build the primitive descriptor computing in `compute` with the given
+// activation formats; empty when oneDNN has nothing for it, or only a
+// reference kernel and `reject_ref` is set.
+// Activation formats a primitive can be asked for.
+enum Fmt { FMT_CF = 0, FMT_CL = 1, FMT_BLOCKED = 2 };
+
+memory::desc act_md(const memory::dims &dims, dt d, int nsp, Fmt f) {
+    if (f == FMT_BLOCKED) return memory::desc(dims, d, tag::any);
+    return memory::desc(dims, d, act_tag(nsp, f == FMT_CL));
+}
+
+dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt compute, Fmt src_fmt,
+                                                  Fmt dst_fmt, bool reject_ref) {
+    const int nsp = a.nsp;
+    const bool grouped = a.groups > 1;
+    memory::dims src_dims{a.n, a.ic}, dst_dims{a.n, a.oc}, wei_dims, strides, dil, pl, pr;
+    if (grouped) wei_dims = {a.groups, a.oc / a.groups, a.ic / a.groups};
+    else wei_dims = {a.oc, a.ic};
+    for (int i = 0; i < nsp; ++i) {
+        src_dims.push_back(a.in_sp[i]);
+        dst_dims.push_back(a.out_sp[i]);
+        wei_dims.push_back(a.k_sp[i]);
+        strides.push_back(a.stride[i]);
+        dil.push_back(a.dilation[i] - 1);  // oneDNN counts dilation from 0
+        pl.push_back(a.pad_l[i]);
+        pr.push_back(a.pad_r[i]);
+    }
+    memory::desc src_md = act_md(src_dims, compute, nsp, src_fmt);
+    memory::desc dst_md = act_md(dst_dims, compute, nsp, dst_fmt);
+    memory::desc wei_md(wei_dims, compute, tag::any);
+    memory::desc bias_md;
+    if (a.has_bias) {
+        dt bdt = compute == dt::f32 ? dt::f32 : to_dt(a.bias_dtype);
+        bias_md = memory::desc({a.oc}, bdt, tag::a);
+    }
+
+    dnnl::post_ops ops;
+    for (int i = 0; i < a.n_post_ops; ++i) {
+        const cl_post_op &po = a.post_ops[i];
+        if (po.kind == CL_PO_ADD) {
+            ops.append_binary(dnnl::algorithm::binary_add, dst_md);
+        } else {
+            float alpha = po.alpha, beta = po.beta;
+            dnnl::algorithm alg = eltwise_alg(po.kind, alpha, beta);
+            ops.append_eltwise(alg, alpha, beta);
+        }
+    }
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(ops);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+
+    // allow_empty: an unsupported combination yields an empty pd, not a throw.
+    dnnl::convolution_forward::primitive_desc pd;
+    if (a.has_bias)
+        pd = dnnl::convolution_forward::primitive_desc(
+            cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
+            src_md, wei_md, bias_md, dst_md, strides, dil, pl, pr, attr, true);
+    else
+        pd = dnnl::convolution_forward::primitive_desc(
+            cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
+            src_md, wei_md, dst_md, strides, dil, pl, pr, attr, true);
+    if (!pd) return pd;
+    // Implementations come best first; skip reference kernels when asked.
+    while (reject_ref && is_ref(pd.impl_info_str())) {
+        if (!pd.next_impl()) return dnnl::convolution_forward::primitive_desc();
+    }
+    return pd;
+}
+
+dnnl::reorder make_reorder(const memory::desc &from, const memory::desc &to) {
+    return dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), from, cpu_engine(), to));
+}
+
+std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
+    const dt data_dt = to_dt(a.dtype);
+    const bool scl = a.src_cl, dcl = a.dst_cl;
+
+    // Candidates, best first: the caller's dtype and formats; then one
+    // format for both sides (mixed NCHW/NHWC has only reference kernels);
+    // then f32 compute for bf16 data on CPUs without fast bf16 kernels,
+    // which accumulates in f32 like eager does. A reference kernel is the
+    // last resort and shows in the implementation name.
+    struct Choice {
+        dt compute;
+        Fmt src, dst;
+    };
+    std::vector<Choice> choices;
+    std::vector<dt> computes;
+    if (data_dt == dt::f32 || native_bf16()) computes.push_back(data_dt);
+    if (data_dt != dt::f32) computes.push_back(dt::f32);
+    const Fmt us = scl ? FMT_CL : FMT_CF, ud = dcl ? FMT_CL : FMT_CF;
+    // Plain NCHW gets only im2col+GEMM kernels, which lose badly on spatial
+    // and depthwise convs; oneDNN's blocked format (nChw8c/16c) has direct
+    // kernels, worth a reorder at each edge. A 1x1 stride-1 conv is a plain
+    // GEMM in NCHW, so it stays. Residual adds keep plain formats (the
+    // binary post-op needs a concrete layout), via NHWC.
+    bool pointwise = a.groups == 1;
+    for (int i = 0; i < a.nsp; ++i) pointwise = pointwise && a.k_sp[i] == 1 && a.stride[i] == 1;
+    const bool has_add = std::any_of(a.post_ops, a.post_ops + a.n_post_ops,
+                                     [](const cl_post_op &p) { return p.kind == CL_PO_ADD; });
+    for (dt c : computes) {
+        if (!scl && !dcl && !pointwise) choices.push_back(has_add ? Choice{c, FMT_CL, FMT_CL}
+                                                                 : Choice{c, FMT_BLOCKED, FMT_BLOCKED});
+        choices.push_back({c, us, ud});
+        if (scl != dcl) {
+            choices.push_back({c, ud, ud});
+            choices.push_back({c, us, us});
+        }
+    }
+    dnnl::convolution_forward::primitive_desc pd;
+    Choice chosen{};
+    for (const Choice &c : choices) {
+        pd = make_pd(a, c.compute, c.src, c.dst, true);
+        if (pd) {
+            chosen = c;
+            break;
+        }
+    }
+    if (!pd) {
+        chosen = choices.front();
+        pd = make_pd(a, chosen.compute, chosen.src, chosen.dst, false);
+    }
+    if (!pd) throw std::runtime_error("oneDNN has no convolution implementation for this problem");
+
+    auto e = std::make_shared<ConvEntry>();
+    e->prim = dnnl::convolution_forward(pd);
+    e->src_md = pd.src_desc();
+    e->wei_md = pd.weights_desc();
+    e->dst_md = pd.dst_desc();
+    if (a.has_bias) e->bias_md = pd.bias_desc();
+    e->scratch_md = pd.scratchpad_desc();
+    e->scratch_bytes = e->scratch_md.get_size();
+    e->impl = pd.impl_info_str();
+    if (is_ref(e->impl.c_str())) g_stats.ref_primitives++;
+    for (int i = 0; i < a.n_post_ops; ++i)
+        if (a.post_ops[i].kind == CL_PO_ADD) e->add_slots.push_back(i);
+
+    const bool grouped = a.groups > 1;
+    memory::dims wei_dims;
+    if (grouped) wei_dims = {a.groups, a.oc / a.groups, a.ic / a.groups};
+    else wei_dims = {a.oc, a.ic};
+    for (int i = 0; i < a.nsp; ++i) wei_dims.push_back(a.k_sp[i]);
+    e->user_wei_md = memory::desc(wei_dims, data_dt, wei_tag(a.nsp, grouped, a.w_cl));
+    e->user_src_md = memory::desc(e->src_md.get_dims(), data_dt, act_tag(a.nsp, scl));
+    e->user_dst_md = memory::desc(e->dst_md.get_dims(), data_dt, act_tag(a.nsp, dcl));
+    e->convert_src = !(e->user_src_md == e->src_md);
+    e->convert_dst = !(e->user_dst_md == e->dst_md);
+    if (e->convert_src) e->src_in = make_reorder(e->user_src_md, e->src_md);
+    if (e->convert_dst) {
+        e->dst_out = make_reorder(e->dst_md, e->user_dst_md);
+        if (!e->add_slots.empty()) e->res_in = make_reorder(e->user_dst_md, e->dst_md);
+    }
+    e->bias_to_f32 = a.has_bias && chosen.compute == dt::f32 && a.bias_dtype == CL_BF16;
+    if (chosen.compute != data_dt) e->impl += " (bf16 data, f32 compute)";
+    if (chosen.src != us || chosen.dst != ud) e->impl += " (layout converted)";
+    return e;
+}
+
+// ---- primitive cache: LRU over problem keys --------------------------------
+
+class PrimitiveCache {
+   public:
+    std::shared_ptr<ConvEntry> get(const cl_conv_args &a) {
+        Key k = make_key(a);
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = map_.find(k);
+            if (it != map_.end()) {
+                lru_.splice(lru_.begin(), lru_, it->second);
+                g_stats.primitive_cache_hits++;
+                return it->second->second;
+            }
+        }
+        // Build outside the lock: primitive creation can take milliseconds
+        // (JIT), and other threads' hits must not wait for it.
+        auto e = build_entry(k.a);
+        g_stats.primitives_created++;
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = map_.find(k);
+        if (it != map_.end()) return it->second->second;  // another thread won
+        lru_.emplace_front(k, e);
+        map_[k] = lru_.begin();
+        trim();
+        return e;
+    }
+    void clear() {
+        std::lock_guard<std::mutex> g(mu_);
+        map_.clear();
+        lru_.clear();
+    }
+    void set_capacity(int c) {
+        std::lock_guard<std::mutex> g(mu_);
+        capacity_ = std::max(1, c);
+        trim();
+    }
+    int capacity() {
+        std::lock_guard<std::mutex> g(mu_);
+        return static_cast<int>(capacity_);
+    }
+    long long size() {
+        std::lock_guard<std::mutex> g(mu_);
+        return static_cast<long long>(map_.size());
+    }
+
+   private:
+    void trim() {
+        while (map_.size() > capacity_) {
+            map_.erase(lru_.back().first);
+            lru_.pop_back();
+        }
+    }
+    using Item = std::pair<Key, std::shared_ptr<ConvEntry>>;
+    std::mutex mu_;
+    std::list<Item> lru_;
+    std::unordered_map<Key, std::list<Item>::iterator, KeyHash> map_;
+    size_t capacity_ = 512;
+};
+
+PrimitiveCache &prim_cache() {
+    static PrimitiveCache c;
+    return c;
+}
+
+// ---- weight cache: one reordered copy per (weight, target format) ----------
+
+class WeightCache {
+   public:
+    memory get(unsigned long long id, long long version, const void *user_ptr, const ConvEntry &e) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            Record &r = records_[id];
+            if (r.version != version || r.ptr != user_ptr) {
+                // Changed in place, or storage replaced: every copy is stale.
+                r.slots.clear();
+                r.version = version;
+                r.ptr = user_ptr;
+            }
+            for (auto &s : r.slots)
+                if (s.md == e.wei_md && s.user_md == e.user_wei_md) return s.mem;
+        }
+        memory user(e.user_wei_md, cpu_engine(), const_cast<void *>(user_ptr));
+        memory packed(e.wei_md, cpu_engine());
+        dnnl::stream &s = thread_stream();
+        dnnl::reorder(user, packed).execute(s, user, packed);
+        s.wait();
+        g_stats.weight_reorders++;
+        std::lock_guard<std::mutex> g(mu_);
+        Record &r = records_[id];
+        if (r.version == version && r.ptr == user_ptr) {
+            for (auto &sl : r.slots)
+                if (sl.md == e.wei_md && sl.user_md == e.user_wei_md) return sl.mem;
+            r.slots.push_back({e.wei_md, e.user_wei_md, packed});
+        }
+        return packed;
+    }
+    void release(unsigned long long id) {
+        std::lock_guard<std::mutex> g(mu_);
+        records_.erase(id);
+    }
+    void clear() {
+        std::lock_guard<std::mutex> g(mu_);
+        records_.clear();
+    }
+    long long size() {
+        std::lock_guard<std::mutex> g(mu_);
+        long long n = 0;
+        for (auto &kv : records_) n += static_cast<long long>(kv.second.slots.size());
+        return n;
+    }
+
+   private:
+    struct Slot {
+        memory::desc md, user_md;
+        memory mem;
+    };
+    struct Record {
+        long long version = -1;
+        const void *ptr = nullptr;
+        std::vector<Slot> slots;
+    };
+    std::mutex mu_;
+    std::unordered_map<unsigned long long, Record> records_;
+};
+
+WeightCache &weight_cache() {
+    static WeightCache c;
+    return c;
+}
+
+float bf16_to_f32(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsigned long long weight_id,
+              long long weight_version, const void *bias, void *dst, const uintptr_t *residuals) {
+    validate(a);
+    if (!src || !weight || !dst || (a.has_bias && !bias))
+        throw std::invalid_argument("null data pointer");
+
+    g_stats.calls++;
+    std::shared_ptr<ConvEntry> ep = prim_cache().get(a);
+    const ConvEntry &e = *ep;
+    if (!e.add_slots.empty()) {
+        if (!residuals) throw std::invalid_argument("residual add without a tensor");
+        for (size_t r = 0; r < e.add_slots.size(); ++r)
+            if (!residuals[r]) throw std::invalid_argument("residual add without a tensor");
+    }
+    memory wei = weight_cache().get(weight_id, weight_version, weight, e);
+    dnnl::engine &eng = cpu_engine();
+    dnnl::stream &s = thread_stream();
+
+    // Temporaries, only when converting: [src][dst][residual...][bias f32]
+    auto align = [](size_t n) { return (n + 63) & ~size_t(63); };
+    const size_t n_res = e.convert_dst ? e.add_slots.size() : 0;
+    const size_t src_b = e.convert_src ? align(e.src_md.get_size()) : 0;
+    const size_t dst_b = e.convert_dst ? align(e.dst_md.get_size()) : 0;
+    const size_t bias_b = e.bias_to_f32 ? align(static_cast<size_t>(a.oc) * 4) : 0;
+    uint8_t *tmp = (src_b + dst_b * (1 + n_res) + bias_b) ? t_temps.get(src_b + dst_b * (1 + n_res) + bias_b)
+                                                           : nullptr;
+    uint8_t *scratch = t_scratch.get(e.scratch_bytes);
+    if (e.convert_src || e.convert_dst || e.bias_to_f32) g_stats.converted_calls++;
+
+    // Reused per thread: execute() takes a map, and rebuilding one from
+    // scratch on every call costs more than the tiny convolutions it runs.
+    thread_local std::unordered_map<int, memory> args;
+    args.clear();
+    args.emplace(DNNL_ARG_WEIGHTS, wei);
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.scratch_md, eng, scratch));
+
+    if (e.convert_src) {
+        memory user(e.user_src_md, eng, const_cast<void *>(src)), conv(e.src_md, eng, tmp);
+        e.src_in.execute(s, user, conv);
+        args.emplace(DNNL_ARG_SRC, conv);
+    } else {
+        args.emplace(DNNL_ARG_SRC, memory(e.src_md, eng, const_cast<void *>(src)));
+    }
+    memory mdst(e.dst_md, eng, e.convert_dst ? tmp + src_b : dst);
+    args.emplace(DNNL_ARG_DST, mdst);
+    if (a.has_bias) {
+        if (e.bias_to_f32) {
+            float *b32 = reinterpret_cast<float *>(tmp + src_b + dst_b * (1 + n_res));
+            const uint16_t *b = static_cast<const uint16_t *>(bias);
+            for (long long i = 0; i < a.oc; ++i) b32[i] = bf16_to_f32(b[i]);
+            args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, b32));
+        } else {
+            args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, const_cast<void *>(bias)));
+        }
+    }
+    for (size_t r = 0; r < e.add_slots.size(); ++r) {
+        int slot = e.add_slots[r];
+        void *data = reinterpret_cast<void *>(residuals[r]);
+        int arg = DNNL_ARG_ATTR_MULTIPLE_POST_OP(slot) | DNNL_ARG_SRC_1;
+        if (e.convert_dst) {
+            memory user(e.user_dst_md, eng, data), conv(e.dst_md, eng, tmp + src_b + dst_b * (1 + r));
+            e.res_in.execute(s, user, conv);
+            args.emplace(arg, conv);
+        } else {
+            args.emplace(arg, memory(e.dst_md, eng, data));
+        }
+    }
+    e.prim.execute(s, args);
+    if (e.convert_dst) {
+        memory user(e.user_dst_md, eng, dst);
+        e.dst_out.execute(s, mdst, user);
+    }
+    s.wait();
+    args.clear();  // drop references to the caller's buffers
+}
+
+thread_local std::string t_last_error;
+
+void write_str(char *out, int outlen, const std::string &msg) {
+    if (!out || outlen <= 0) return;
+    std::snprintf(out, static_cast<size_t>(outlen), "%s", msg.c_str());
+}
+
+// Every entry point funnels C++ exceptions into a return code: an exception
+// crossing the C ABI would abort the Python process.
+template <typename F>
+int guarded(F &&f) {
+    try {
+        f();
+        return 0;
+    } catch (const dnnl::error &ex) {
+        t_last_error = std::string("oneDNN error (status ") + std::to_string(ex.status) + "): " + ex.what();
+    } catch (const std::bad_alloc &) {
+        t_last_error = "out of memory";
+    } catch (const std::exception &ex) {
+        t_last_error = ex.what();
+    } catch (...) {
+        t_last_error = "unknown C++ exception";
+    }
+    return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
+                    long long weight_version, uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
+    return guarded([&] {
+        if (!args) throw std::invalid_argument("null arguments");
+        run_conv(*args, reinterpret_cast<const void *>(src), reinterpret_cast<const void *>(weight), weight_id,
+                 weight_version, reinterpret_cast<const void *>(bias), reinterpret_cast<void *>(dst),
+                 residuals);
+    });
+}
+
+const char *cl_last_error(void) { return t_last_error.c_str(); }
+
+int cl_conv_impl_name(const cl_conv_args *args, char *out, int outlen) {
+    return guarded([&] {
+        if (!args) throw std::invalid_argument("null arguments");
+        validate(*args);
+        write_str(out, outlen, prim_cache().get(*args)->impl);
+    });
+}
+
+void cl_weight_release(unsigned long long weight_id) {
+    try {
+        weight_cache().release(weight_id);
+    } catch (...) {
+    }
+}
+
+void cl_get_stats(cl_stats *out) {
+    if (!out) return;
+    out->primitives_created = g_stats.primitives_created.load();
+    out->primitive_cache_hits = g_stats.primitive_cache_hits.load();
+    out->primitive_cache_size = prim_cache().size();
+    out->weight_reorders = g_stats.weight_reorders.load();
+    out->weight_cache_size = weight_cache().size();
+    out->converted_calls = g_stats.converted_calls.load();
+    out->ref_primitives = g_stats.ref_primitives.load();
+    out->calls = g_stats.calls.load();
+}
+
+void cl_clear_caches(void) {
+    prim_cache().clear();
+    weight_cache().clear();
+}
+
+void cl_set_primitive_cache_capacity(int capacity) { prim_cache().set_capacity(capacity); }
+int cl_primitive_cache_capacity(void) { return prim_cache().capacity(); }
+
+int cl_dnnl_version(int *major, int *minor, int *patch) {
+    const dnnl_version_t *v = dnnl_version();
+    if (major) *major = v->major;
+    if (minor) *minor = v->minor;
+    if (patch) *patch = v->patch;
+    return 0;
+}
+
+int cl_cpu_isa(char *out, int outlen) {
+    const char *name = "unknown";
+    switch (dnnl::get_effective_cpu_isa()) {
+        case dnnl::cpu_isa::sse41: name = "sse41"; break;
+        case dnnl::cpu_isa::avx: name = "avx"; break;
+        case dnnl::cpu_isa::avx2: name = "avx2"; break;
+        case dnnl::cpu_isa::avx2_vnni: name = "avx2_vnni"; break;
+        case dnnl::cpu_isa::avx2_vnni_2: name = "avx2_vnni_2"; break;
+        case dnnl::cpu_isa::avx512_core: name = "avx512_core"; break;
+        case dnnl::cpu_isa::avx512_core_vnni: name = "avx512_core_vnni"; break;
+        case dnnl::cpu_isa::avx512_core_bf16: name = "avx512_core_bf16"; break;
+        case dnnl::cpu_isa::avx512_core_fp16: name = "avx512_core_fp16"; break;
+        case dnnl::cpu_isa::avx512_core_amx: name = "avx512_core_amx"; break;
+        case dnnl::cpu_isa::avx512_core_amx_fp16: name = "avx512_core_amx_fp16"; break;
+        default: break;
+    }
+    write_str(out, outlen, name);
+    return 0;
+}
+
+int cl_native_bf16(void) { return native_bf16() ? 1 : 0; }
+
+}  // extern "C"

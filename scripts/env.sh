@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's environment in .venv and build the
+# extension. Sourced by scripts/main.sh and scripts/test.sh; safe to re-run:
+# it reinstalls only when setup files or csrc/ changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+if [ ! -x "$PY" ]; then
+    echo "[env] creating $VENV"
+    python3 -m venv "$VENV"
+fi
+pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+# torch first and pinned: a bare `torch` requirement would fetch a CUDA build.
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
+    echo "[env] installing torch==2.13.0 (CPU)"
+    pip_q torch==2.13.0
+fi
+
+STAMP="$VENV/.cpu_layout-build-stamp"
+HASH="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \
+   ! "$PY" -c "import cpu_layout.ops" 2>/dev/null; then
+    echo "[env] installing build and test dependencies"
+    pip_q "setuptools>=64" wheel "cffi>=1.15" numpy pytest \
+        onednn-cpu-gomp==2023.2.0 onednn-devel-cpu-gomp==2023.2.0
+    echo "[env] building cpu_layout"
+    # The build requirements are installed above, so skip pip's isolated
+    # build environment (saves a download and works offline once set up).
+    (cd "$ROOT" && pip_q --no-build-isolation --no-deps -e .)
+    echo "$HASH" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
