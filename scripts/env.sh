@@ -30,6 +30,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \
     # The build requirements are installed above, so skip pip's isolated
     # build environment (saves a download and works offline once set up).
     (cd "$ROOT" && pip_q --no-build-isolation --no-deps -e .)
+    # setuptools leaves metadata in the source tree; importlib.metadata would
+    # read it (it comes first on sys.path from the repo root) and miss the
+    # installed entry points, hiding backend="cpu_layout".
+    rm -rf "$ROOT/cpu_layout.egg-info" "$ROOT/build"
     echo "$HASH" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,198 @@
+"""cpu_layout's graph IR: buffers and the nodes that produce them.
+
+The lowering (lower.py) builds it from an ATen FX graph, the planner decides
+each buffer's layout, fusion rewrites groups of nodes, and the wrapper
+codegen emits one statement per node. Sizes and eager strides come from the
+FX node's fake tensor, so they may be symbolic; nothing here guards on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from cpu_layout import layout as L
+
+# How a node's output layout relates to its inputs'.
+FREE = "free"  # we produce it (conv, fused kernel): any layout, planner's choice
+FOLLOW = "follow"  # layout-agnostic ATen op: output takes its tensor inputs' layout
+EAGER = "eager"  # layout-sensitive or unknown: inputs as eager had them, output as eager's
+
+
+@dataclass(eq=False)
+class Buffer:
+    """One value of the graph: a tensor (size/dtype/eager_stride set) or a Python scalar."""
+
+    name: str
+    size: Optional[tuple] = None
+    dtype: Optional[torch.dtype] = None
+    eager_stride: Optional[tuple] = None
+    producer: Optional["Node"] = None
+    users: List["Node"] = field(default_factory=list)
+    # Set by planning: L.CONTIGUOUS, L.CHANNELS_LAST, or EAGER (exactly eager's strides).
+    layout: Optional[str] = None
+    # Module state (parameter/buffer) or computed only from module state (e.g. an
+    # autocast copy of a weight): computed once, recomputed only when a source changes.
+    constant: bool = False
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.size is not None
+
+    @property
+    def rank(self) -> int:
+        return len(self.size)
+
+    def eager_order(self) -> str:
+        """The named order eager's strides are in (ambiguous size-1 cases read as contiguous)."""
+        if self.rank in (4, 5) and L.is_in_order(self.size, self.eager_stride, L.CHANNELS_LAST) and not (
+            L.is_in_order(self.size, self.eager_stride, L.CONTIGUOUS)
+        ):
+            return L.CHANNELS_LAST
+        if L.is_in_order(self.size, self.eager_stride, L.CONTIGUOUS):
+            return L.CONTIGUOUS
+        return EAGER
+
+    def __repr__(self):
+        return f"Buffer({self.name})"
+
+
+@dataclass(eq=False)
+class Node:
+    name: str
+    inputs: List[Buffer]
+    out: Optional[Buffer]
+    rule: str = EAGER
+
+    def tensor_inputs(self) -> List[Buffer]:
+        return [b for b in self.inputs if b.is_tensor]
+
+
+@dataclass(eq=False)
+class Input(Node):
+    index: int = 0
+    is_param: bool = False  # a parameter or buffer of the module (constant while unchanged)
+
+
+@dataclass(eq=False)
+class BatchNormFold:
+    """Inference batch-norm to fold into the conv before it (computed when parameters change)."""
+
+    weight: Optional[Buffer]
+    bias: Optional[Buffer]
+    mean: Buffer
+    var: Buffer
+    eps: float
+
+
+@dataclass(eq=False)
+class Conv(Node):
+    """Forward convolution on cpu_layout's oneDNN primitives.
+
+    inputs: [x, weight, bias?] then any residual buffers and folding parameters;
+    post_ops: names/tuples as cpu_layout.ops takes them, with ("add", Buffer)."""
+
+    x: Buffer = None
+    weight: Buffer = None
+    bias: Optional[Buffer] = None
+    stride: tuple = ()
+    padding: tuple = ()
+    dilation: tuple = ()
+    groups: int = 1
+    bn: Optional[BatchNormFold] = None
+    post_ops: list = field(default_factory=list)
+    rule: str = FREE
+
+
+@dataclass(eq=False)
+class Pointwise(Node):
+    """Element-wise op with broadcasting: `op` names a codegen.expr op; `args`
+    mixes Buffers and Python scalars in the op's argument order."""
+
+    op: str = ""
+    args: list = field(default_factory=list)
+    params: tuple = ()
+    rule: str = FREE
+
+
+@dataclass(eq=False)
+class Aten(Node):
+    """An ATen call: `args`/`kwargs` hold Buffers where the FX graph had nodes."""
+
+    target: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    multi: bool = False  # returns a tuple; Getitem nodes pick from it
+
+
+@dataclass(eq=False)
+class Getitem(Node):
+    index: int = 0
+    rule: str = FOLLOW
+
+
+@dataclass(eq=False)
+class Output(Node):
+    values: list = field(default_factory=list)  # Buffers or constants, in eager's order
+
+
+class Graph:
+    def __init__(self):
+        self.nodes: List[Node] = []
+        self.buffers: dict = {}
+        self.output: Optional[Output] = None
+        self._n = 0
+
+    def new_buffer(self, prefix="buf", **kw) -> Buffer:
+        name = f"{prefix}{self._n}"
+        self._n += 1
+        b = Buffer(name, **kw)
+        self.buffers[name] = b
+        return b
+
+    def add(self, node: Node) -> Node:
+        for b in node.inputs:
+            b.users.append(node)
+        if node.out is not None:
+            node.out.producer = node
+        self.nodes.append(node)
+        if isinstance(node, Output):
+            self.output = node
+        return node
+
+    def remove(self, node: Node) -> None:
+        self.nodes.remove(node)
+        for b in node.inputs:
+            while node in b.users:
+                b.users.remove(node)
+
+    def replace_input(self, node: Node, old: Buffer, new: Buffer) -> None:
+        node.inputs = [new if b is old else b for b in node.inputs]
+        while node in old.users:
+            old.users.remove(node)
+        new.users.append(node)
+
+    def convs(self) -> List[Conv]:
+        return [n for n in self.nodes if isinstance(n, Conv)]
+
+    def dump(self) -> str:
+        lines = []
+        for n in self.nodes:
+            ins = ", ".join(b.name for b in n.inputs)
+            out = n.out.name if n.out is not None else "-"
+            extra = getattr(n, "op", "") or getattr(n, "target", "") or ""
+            lay = f" [{n.out.layout}]" if n.out is not None and n.out.layout else ""
+            lines.append(f"{out}{lay} = {type(n).__name__}({extra}; {ins})")
+        return "\n".join(lines)
+
+
+def values_of(x) -> Sequence:
+    """Every Buffer inside a nested args structure."""
+    if isinstance(x, Buffer):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [b for v in x for b in values_of(v)]
+    if isinstance(x, dict):
+        return [b for v in x.values() for b in values_of(v)]
+    return []

@@ -1,0 +1,158 @@
+"""Cost model: estimated microseconds for a conv in each layout and for a layout copy.
+
+Conv costs come from a measured table (cpu_layout/data/conv_cost_table.json,
+built by scripts/build_cost_table.py): the nearest measured shape class of the
+same dtype and group kind gives the NCHW and NHWC times, scaled by the FLOP
+ratio.  When the table has no class close enough (or no table), heuristics
+decide.  Copies cost bytes x measured µs/byte.  Everything is in µs so conv
+and copy costs add up in one objective.
+
+Sizes may be symbolic: costs use size hints (`layout.hint`), never guards.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from cpu_layout.layout import CHANNELS_LAST, hint
+from cpu_layout.plan.graph import Conv
+
+__all__ = ["ConvCost", "CostModel", "default_cost_model", "TABLE_PATH"]
+
+TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                          "conv_cost_table.json")
+
+# A table class further than this (sum of |log2| feature differences) is not
+# trusted: heuristics decide instead.
+MAX_DISTANCE = 4.0
+# Fallbacks when nothing is measured: single-core throughput and copy speed.
+_GFLOPS = {torch.float32: 40.0, torch.bfloat16: 10.0}
+_COPY_US_PER_BYTE = 0.0003  # ~3 GB/s for a transposing copy on one core
+
+
+@dataclass(frozen=True)
+class ConvCost:
+    nchw_us: float
+    nhwc_us: float
+    source: str  # "table: <class>" or "heuristic: <rule>"
+
+    def of(self, label: str) -> float:
+        return self.nhwc_us if label == CHANNELS_LAST else self.nchw_us
+
+
+def _group_kind(groups: int, cin: int) -> str:
+    if groups == 1:
+        return "regular"
+    return "depthwise" if groups == cin else "grouped"
+
+
+def _flops(batch, cin, cout, groups, kernel: Tuple[int, ...], out_spatial: Tuple[int, ...]) -> float:
+    f = 2.0 * batch * cout * (cin / groups)
+    for k in kernel:
+        f *= k
+    for s in out_spatial:
+        f *= s
+    return max(f, 1.0)
+
+
+class CostModel:
+    """Conv and copy costs in µs. `table` is the parsed JSON (or None: heuristics only)."""
+
+    def __init__(self, table: Optional[dict] = None):
+        self.table = table
+        self.entries: List[dict] = list(table["entries"]) if table else []
+        self._copy = dict(table.get("copy_us_per_byte", {})) if table else {}
+        self._memo: Dict[tuple, ConvCost] = {}
+        for e in self.entries:
+            k, s = e["kernel"], e["stride"]
+            o = (e["spatial"] + 2 * (k // 2) - k) // s + 1
+            e["_flops"] = _flops(e["batch"], e["cin"], e["cout"], e["groups"], (k, k), (o, o))
+            e["_kind"] = _group_kind(e["groups"], e["cin"])
+
+    @classmethod
+    def load(cls, path: str = TABLE_PATH) -> "CostModel":
+        try:
+            with open(path) as f:
+                return cls(json.load(f))
+        except (OSError, ValueError):
+            return cls(None)
+
+    # ---- copies ---------------------------------------------------------------
+    def copy_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:
+        per_byte = self._copy.get(str(dtype).replace("torch.", ""), _COPY_US_PER_BYTE)
+        return nbytes * per_byte
+
+    # ---- convolutions --------------------------------------------------------
+    def conv_cost(self, conv: Conv) -> ConvCost:
+        n, cin = hint(conv.in_size[0]), hint(conv.in_size[1])
+        spatial_in = tuple(hint(s) for s in conv.in_size[2:])
+        spatial_out = tuple(hint(s) for s in conv.size[2:])
+        key = (conv.dtype, n, cin, conv.out_channels, conv.groups, conv.kernel, conv.stride,
+               conv.dilation, spatial_in, spatial_out)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._conv_cost(conv.dtype, n, cin, conv.out_channels, conv.groups,
+                                                    conv.kernel, conv.stride, spatial_in, spatial_out)
+        return got
+
+    def _conv_cost(self, dtype, n, cin, cout, groups, kernel, stride, spatial_in, spatial_out) -> ConvCost:
+        flops = _flops(n, cin, cout, groups, kernel, spatial_out)
+        kind = _group_kind(groups, cin)
+        best, best_d = None, math.inf
+        dname = str(dtype).replace("torch.", "")
+        hw = math.prod(spatial_in) ** (1.0 / max(len(spatial_in), 1))
+        k = math.prod(kernel) ** (1.0 / max(len(kernel), 1))
+        s = max(stride)
+        if len(spatial_in) == 2:  # the table measures 2-D convs; 1-D/3-D use heuristics
+            for e in self.entries:
+                if e["dtype"] != dname or e["_kind"] != kind:
+                    continue
+                d = (abs(math.log2(cin / e["cin"])) + abs(math.log2(cout / e["cout"]))
+                     + abs(math.log2(hw / e["spatial"])) + abs(math.log2(k / e["kernel"]))
+                     + (0.5 if s != e["stride"] else 0.0))
+                if kind == "grouped":
+                    d += abs(math.log2((cin / groups) / (e["cin"] / e["groups"])))
+                if d < best_d:
+                    best, best_d = e, d
+        if best is not None and best_d <= MAX_DISTANCE:
+            r = flops / best["_flops"]
+            src = (f"table: {best['dtype']} {best['cin']}->{best['cout']} k{best['kernel']} s{best['stride']} "
+                   f"g{best['groups']} {best['spatial']}px (d={best_d:.2f})")
+            return ConvCost(best["nchw_us"] * r, best["nhwc_us"] * r, src)
+        return self._heuristic(dtype, flops, cin, cout, groups, kind)
+
+    def _heuristic(self, dtype, flops, cin, cout, groups, kind) -> ConvCost:
+        """Rules read off the measured table (scripts/build_cost_table.py, cpu_layout.ops backend):
+        NHWC wins clearly only for depthwise fp32 and modestly for regular convs."""
+        base = flops / (_GFLOPS.get(dtype, 20.0) * 1e3)  # µs
+        if cin == 1:
+            # [N,1,H,W] is both NCHW and NHWC: no layout to prefer.
+            return ConvCost(base, base, "heuristic: in_channels == 1")
+        if cin < 8 or cout < 8:
+            # Fewer channels than one AVX2 vector: neither layout vectorises C well; stay neutral
+            # so conversions (which cost real bytes) decide.
+            return ConvCost(base, base, "heuristic: tiny channel count")
+        if kind == "depthwise":
+            r = 0.5 if dtype == torch.float32 else 1.0
+            return ConvCost(base, base * r, "heuristic: depthwise")
+        if kind == "grouped":
+            # Few channels per group: NHWC grouped kernels lose the channel vector.
+            r = 1.2 if cin // groups < 8 else 0.9
+            return ConvCost(base, base * r, "heuristic: grouped")
+        return ConvCost(base, base * 0.9, "heuristic: regular conv")
+
+
+_DEFAULT: Optional[CostModel] = None
+
+
+def default_cost_model() -> CostModel:
+    """The shipped table (loaded once per process)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = CostModel.load()
+    return _DEFAULT

@@ -1,0 +1,88 @@
+"""Plan an IR graph: translate it into the planner's graph model and back.
+
+Convs, pointwise ops and layout-agnostic ATen ops become decision nodes;
+layout-sensitive or unknown ATen ops are fallbacks that read their inputs in
+eager's order; graph outputs must come out with eager's strides.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+
+from cpu_layout import ir
+from cpu_layout import layout as L
+from cpu_layout.plan import graph as pg
+from cpu_layout.plan.planner import Plan, plan
+
+aten = torch.ops.aten
+
+_POOLS = {
+    aten.max_pool2d.default: "max",
+    aten.avg_pool2d.default: "avg",
+    aten.upsample_nearest2d.default: "avg",
+    aten.upsample_nearest2d.vec: "avg",
+    aten.upsample_bilinear2d.default: "avg",
+    aten.upsample_bilinear2d.vec: "avg",
+    aten.constant_pad_nd.default: "avg",
+}
+
+
+def to_planner_graph(g: ir.Graph) -> pg.Graph:
+    pgraph = pg.Graph()
+    known = set()
+
+    def tensors(bs):
+        return tuple(b.name for b in dict.fromkeys(bs) if b.is_tensor and b.name in known)
+
+    def add(node):
+        pgraph.add(node)
+        known.add(node.name)
+
+    for n in g.nodes:
+        b = n.out
+        if isinstance(n, ir.Output):
+            for i, v in enumerate(n.values):
+                if isinstance(v, ir.Buffer) and v.is_tensor and v.name in known:
+                    pgraph.add(pg.Output(f"output{i}", (v.name,), v.size, v.dtype, stride=v.eager_stride))
+            continue
+        if b is None or not b.is_tensor:
+            continue  # tuples (multi-output ATen ops) and Python scalars: their Getitems enter as inputs
+        if isinstance(n, ir.Input) or isinstance(n, ir.Getitem):
+            add(pg.Input(b.name, (), b.size, b.dtype, stride=b.eager_stride))
+        elif isinstance(n, ir.Conv):
+            residuals = [p[1] for p in n.post_ops if isinstance(p, tuple) and p[0] == "add"]
+            k = n.weight.size[2:]
+            add(pg.Conv(b.name, tensors([n.x] + residuals), b.size, b.dtype, in_size=n.x.size,
+                        out_channels=b.size[1], kernel=tuple(k), stride=n.stride, padding=n.padding,
+                        dilation=n.dilation, groups=n.groups, bias=n.bias is not None))
+        elif isinstance(n, ir.Pointwise):
+            add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op))
+        elif isinstance(n, ir.Aten) and n.rule == ir.FOLLOW:
+            ins = tensors(n.inputs)
+            if n.target is aten.cat.default:
+                add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0))
+            elif n.target in _POOLS:
+                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=_POOLS[n.target]))
+            else:
+                add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
+        else:
+            needs_cf = all(i.eager_order() != L.CHANNELS_LAST for i in n.inputs if i.is_tensor)
+            ins = tensors(n.inputs)
+            if ins:
+                add(pg.Fallback(b.name, ins, b.size, b.dtype, needs_contiguous=needs_cf))
+            else:
+                add(pg.Input(b.name, (), b.size, b.dtype, stride=b.eager_stride))
+    return pgraph
+
+
+def planner_choice(g: ir.Graph) -> Callable[[ir.Node], str]:
+    """Run the planner on `g`; return the layout chooser `schedule` applies."""
+    p: Plan = plan(to_planner_graph(g))
+    labels: Dict[str, str] = dict(p.label_of)
+    g.plan = p
+
+    def choose(node: ir.Node) -> str:
+        return labels.get(node.out.name)
+
+    return choose
