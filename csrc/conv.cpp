@@ -321,12 +321,21 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
     const bool has_add = std::any_of(a.post_ops, a.post_ops + a.n_post_ops,
                                      [](const cl_post_op &p) { return p.kind == CL_PO_ADD; });
     for (dt c : computes) {
-        if (!scl && !dcl && !pointwise) choices.push_back(has_add ? Choice{c, FMT_CL, FMT_CL}
-                                                                 : Choice{c, FMT_BLOCKED, FMT_BLOCKED});
-        choices.push_back({c, us, ud});
-        if (scl != dcl) {
-            choices.push_back({c, ud, ud});
-            choices.push_back({c, us, us});
+        std::vector<Choice> cs;
+        if (!scl && !dcl && !pointwise)
+            cs.push_back(has_add ? Choice{c, FMT_CL, FMT_CL} : Choice{c, FMT_BLOCKED, FMT_BLOCKED});
+        cs.push_back({c, us, ud});
+        cs.push_back({c, ud, ud});
+        cs.push_back({c, us, us});
+        // Last resorts before a reference kernel: some post-op combinations
+        // have fast kernels only in NHWC or blocked formats.
+        cs.push_back({c, FMT_CL, FMT_CL});
+        if (!has_add) cs.push_back({c, FMT_BLOCKED, FMT_BLOCKED});
+        for (const Choice &ch : cs) {
+            bool dup = std::any_of(choices.begin(), choices.end(), [&](const Choice &o) {
+                return o.compute == ch.compute && o.src == ch.src && o.dst == ch.dst;
+            });
+            if (!dup) choices.push_back(ch);
         }
     }
     dnnl::convolution_forward::primitive_desc pd;

@@ -92,6 +92,17 @@ def test_no_reference_kernels_on_grid():
                     assert "ref" not in name, f"{case} {in_fmt}->{out} {dtype}: {name}"
 
 
+def test_no_reference_kernels_with_residual_add():
+    for case in ("1x1", "3x3", "depthwise_s2", "in_ch1"):
+        for in_fmt in FORMATS:
+            for out in ("nchw", "nhwc"):
+                for dtype in (torch.float32, torch.bfloat16):
+                    x, wt, b, kw = make(case, dtype, in_fmt)
+                    res = torch.empty(F.conv2d(x, wt, b, **kw).shape, dtype=dtype)
+                    name = ops.impl_name(x, wt, b, post_ops=[("add", res), "relu"], out_layout=out, **kw)
+                    assert "ref" not in name, f"{case} {in_fmt}->{out} {dtype} +add: {name}"
+
+
 POST_OPS = {
     "relu": (["relu"], F.relu),
     "leaky_relu": ([("leaky_relu", 0.2)], lambda t: F.leaky_relu(t, 0.2)),

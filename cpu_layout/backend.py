@@ -1,0 +1,106 @@
+"""`torch.compile(model, backend="cpu_layout")`.
+
+Dynamo hands us an FX graph; aot_autograd turns it into an inference graph
+of functional ATen ops whose inputs include the module's parameters and
+buffers. That graph is lowered to cpu_layout IR, conv epilogues are fused,
+layouts are planned, and a wrapper is generated. A graph the backend cannot
+compile runs eagerly, with one warning (an error under CPU_LAYOUT_STRICT=1).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+import warnings
+from typing import List, Optional
+
+import torch
+
+from cpu_layout import config
+
+log = logging.getLogger("cpu_layout")
+
+KNOWN_OPTIONS = {"cpp_wrapper", "debug"}
+
+
+class CompileError(RuntimeError):
+    """The backend could not compile a graph (raised under CPU_LAYOUT_STRICT=1)."""
+
+
+def _static_input_indices(n_inputs: int) -> List[int]:
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    idx = getattr(meta, "static_input_indices", None)
+    return list(idx) if idx is not None else []
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
+    """Lower, fuse, plan and generate the wrapper for one inference graph."""
+    from cpu_layout import fuse, lower, schedule
+    from cpu_layout.codegen import wrapper
+
+    t0 = time.perf_counter()
+    params = _static_input_indices(len(example_inputs))
+    g = lower.lower(gm, params)
+    fuse.fuse_conv_epilogues(g)
+    runners = schedule.plan_and_bind(g)
+    debug = bool(options.get("debug", config.debug()))
+    source, env = wrapper.generate(g, runners, debug=debug)
+    if config.log_enabled("wrapper"):
+        print(source, file=sys.stderr)
+    code = compile(source, "<cpu_layout wrapper>", "exec")
+    exec(code, env)
+    call = env["call"]
+    call._boxed_call = True
+    call.cpu_layout_source = source
+    call.cpu_layout_graph = g
+    if config.log_enabled("compile"):
+        print(f"cpu_layout: compiled graph with {len(g.nodes)} nodes in "
+              f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)
+    return call
+
+
+def _eager(gm):
+    def run(args):
+        return gm(*args)
+
+    run._boxed_call = True
+    return run
+
+
+def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The Dynamo backend; registered as `cpu_layout` through an entry point."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    options = dict(kwargs.pop("options", None) or {})
+    kwargs.pop("mode", None)
+    unknown = set(options) - KNOWN_OPTIONS
+    if unknown:
+        raise ValueError(f"cpu_layout: unknown options {sorted(unknown)}; known: {sorted(KNOWN_OPTIONS)}")
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    ):
+        _fallback_warning("training graphs are not supported (compile under torch.no_grad() "
+                          "or torch.inference_mode())")
+        return gm.forward
+
+    def fw_compiler(fx_gm, fx_inputs):
+        try:
+            return compile_graph(fx_gm, fx_inputs, options)
+        except Exception as exc:  # noqa: BLE001 - any failure means: run this graph eagerly
+            if config.strict():
+                raise CompileError(f"cpu_layout could not compile a graph: {exc}") from exc
+            _fallback_warning(f"{type(exc).__name__}: {exc}")
+            return _eager(fx_gm)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler)
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_warning(reason: str) -> None:
+    if config.strict():
+        raise CompileError(f"cpu_layout: {reason}")
+    warnings.warn(f"cpu_layout: running a graph eagerly: {reason}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,818 @@
+"""OpenMP C++ for fused pointwise and reduction kernels.
+
+Every generated kernel has the same C signature
+
+    void <name>(const int64_t* sizes, void* const* data, const int64_t* strides);
+
+  sizes    the iteration shape, ``ndim`` values (pointwise: the output shape; reduction: the
+           input shape, before reducing)
+  data     one pointer per tensor: inputs in order, then outputs
+  strides  ``ndim`` strides per tensor (in elements), tensor-major: strides[t*ndim + d]. A
+           broadcast dimension has stride 0. A reduction's output is described over the input's
+           ``ndim`` dims with stride 0 on the reduced ones.
+
+Shapes and strides are run-time values, so one compiled kernel serves every shape and layout.
+The Python ``run`` wrappers validate tensors and build these arrays; a C++ wrapper can call the
+function directly. All the loop machinery lives in a fixed preamble (templates parameterised by the
+generated per-element lambdas), so the per-kernel code is only the expression.
+
+Aliasing: an output may be the same memory as an input only with identical strides (in place:
+each element is read before it is written, and no other element touches it). That is also what
+makes ``#pragma omp simd`` legal without ``__restrict__``, which is therefore never emitted.
+"""
+import hashlib
+import operator
+
+import torch
+
+from cpu_layout import build
+from cpu_layout.codegen.expr import Const, Load, Op, loads
+
+PARALLEL_MIN_NUMEL = 16384  # below this the OpenMP fork/join costs more than it saves
+_MAX_NDIM = 16
+_CTYPE = {torch.float32: "float", torch.bfloat16: "cl::bf16"}
+_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_REDUCTIONS = ("sum", "mean", "amax", "amin")
+
+PREAMBLE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <omp.h>
+
+#ifndef CL_KERNEL_PREAMBLE
+#define CL_KERNEL_PREAMBLE
+namespace cl {
+typedef uint16_t bf16;
+// BLOCK: elements per tile; L: accumulator lanes; KB: outputs per block (kept-inner reductions).
+enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 64 };
+
+static inline float ld(float x) { return x; }
+static inline float ld(bf16 h) {
+  uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+template <class T> static inline T cvt(float v);
+template <> inline float cvt<float>(float v) { return v; }
+// Round to nearest even, NaN -> canonical quiet NaN (as c10::BFloat16).
+template <> inline bf16 cvt<bf16>(float v) {
+  uint32_t u; std::memcpy(&u, &v, 4);
+  return v != v ? (bf16)0x7fc0 : (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// NaN-propagating max/min, like torch.maximum / clamp.
+static inline float max_(float a, float b) { return (a != a || a > b) ? a : b; }
+static inline float min_(float a, float b) { return (a != a || a < b) ? a : b; }
+static inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+static inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+static inline float gelu(float x) { return x * 0.5f * (1.f + std::erf(x * 0.70710678118654752440f)); }
+static inline float gelu_tanh(float x) {
+  const float beta = 0.79788456080286535588f, kappa = 0.044715f;
+  return 0.5f * x * (1.f + std::tanh(beta * (x + kappa * (x * x * x))));
+}
+static inline float hardsigmoid(float x) { return min_(max_(x + 3.f, 0.f), 6.f) / 6.f; }
+static inline float hardswish(float x) { return x * min_(max_(x + 3.f, 0.f), 6.f) / 6.f; }
+
+static inline void chunk(int64_t total, int64_t align, int64_t* b, int64_t* e) {
+  const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+  *b = t == 0 ? 0 : (total * t / nt) / align * align;
+  *e = t == nt - 1 ? total : (total * (t + 1) / nt) / align * align;
+}
+static inline bool go_parallel(int64_t numel, int64_t items) {
+  return numel >= PAR_MIN && items > 1 && omp_get_max_threads() > 1;
+}
+
+// Element copies for gathers, broadcasts and scatters, by element size (2 or 4 bytes).
+template <class U>
+static inline void copy2d_t(char* dst, const char* src, int64_t rows, int64_t cols, int64_t sr,
+                            int64_t sc) {
+  U* d = (U*)dst; const U* s = (const U*)src;
+  if ((sr == 0 || rows == 1) && (sc == 0 || cols == 1)) {  // a broadcast scalar: plain fill
+    const U v = *s;
+    for (int64_t i = 0; i < rows * cols; ++i) d[i] = v;
+    return;
+  }
+  if (sc == 1) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * cols, s + r * sr, cols * sizeof(U));
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) *d++ = s[r * sr + c * sc];
+}
+template <class U>
+static inline void scatter2d_t(char* dst, const char* src, int64_t rows, int64_t cols, int64_t sr,
+                               int64_t sc) {
+  U* d = (U*)dst; const U* s = (const U*)src;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) d[r * sr + c * sc] = *s++;
+}
+static inline void copy2d(int es, char* dst, const char* src, int64_t rows, int64_t cols,
+                          int64_t sr, int64_t sc) {
+  if (es == 4) copy2d_t<uint32_t>(dst, src, rows, cols, sr, sc);
+  else copy2d_t<uint16_t>(dst, src, rows, cols, sr, sc);
+}
+static inline void scatter2d(int es, char* dst, const char* src, int64_t rows, int64_t cols,
+                             int64_t sr, int64_t sc) {
+  if (es == 4) scatter2d_t<uint32_t>(dst, src, rows, cols, sr, sc);
+  else scatter2d_t<uint16_t>(dst, src, rows, cols, sr, sc);
+}
+
+// Run-time loop plan: the given dims in the reference tensor's memory order (outermost first),
+// size-1 dims dropped, neighbours merged when they are contiguous in every tensor. A dense
+// tensor set (any common permutation) collapses to one dim of stride 1.
+template <int ND, int NT> struct Dims {
+  int m = 0;
+  int64_t sz[ND + 1];
+  int64_t st[NT][ND + 1];
+};
+template <int ND, int NT>
+static inline void plan(const int64_t* sizes, const int64_t* strides, const int* dims, int nd,
+                        int ref, Dims<ND, NT>& p) {
+  int order[ND + 1]; int n = 0;
+  for (int i = 0; i < nd; ++i)
+    if (sizes[dims[i]] != 1) order[n++] = dims[i];
+  for (int i = 1; i < n; ++i) {  // stable insertion sort, larger stride first
+    const int d = order[i]; const int64_t s = strides[ref * ND + d]; int j = i;
+    for (; j > 0 && strides[ref * ND + order[j - 1]] < s; --j) order[j] = order[j - 1];
+    order[j] = d;
+  }
+  p.m = 0;
+  for (int i = 0; i < n; ++i) {
+    const int d = order[i];
+    bool merge = p.m > 0;
+    for (int t = 0; t < NT && merge; ++t)
+      merge = p.st[t][p.m - 1] == strides[t * ND + d] * sizes[d];
+    if (merge) {
+      p.sz[p.m - 1] *= sizes[d];
+      for (int t = 0; t < NT; ++t) p.st[t][p.m - 1] = strides[t * ND + d];
+    } else {
+      p.sz[p.m] = sizes[d];
+      for (int t = 0; t < NT; ++t) p.st[t][p.m] = strides[t * ND + d];
+      ++p.m;
+    }
+  }
+}
+
+// Odometer over dims [0, k) of a plan, carrying one element offset per tensor.
+template <int ND, int NT> struct Cursor {
+  int64_t idx[ND + 1];
+  int64_t off[NT];
+  void seek(const Dims<ND, NT>& p, int k, int64_t linear) {
+    for (int t = 0; t < NT; ++t) off[t] = 0;
+    for (int d = k - 1; d >= 0; --d) {
+      idx[d] = linear % p.sz[d]; linear /= p.sz[d];
+      for (int t = 0; t < NT; ++t) off[t] += idx[d] * p.st[t][d];
+    }
+  }
+  void next(const Dims<ND, NT>& p, int k) {
+    for (int d = k - 1; d >= 0; --d) {
+      for (int t = 0; t < NT; ++t) off[t] += p.st[t][d];
+      if (++idx[d] < p.sz[d]) return;
+      for (int t = 0; t < NT; ++t) off[t] -= p.st[t][d] * p.sz[d];
+      idx[d] = 0;
+    }
+  }
+};
+
+// A tile of `rows` x `cols` elements of tensor t handed to the element lambda as one dense run:
+// the tensor's own memory when it is dense there, else a thread-local buffer (gathered, or
+// filled once per distinct source for broadcasts, which repeat across tiles).
+struct Staging {
+  const char* last = nullptr;
+  int64_t filled = 0;
+  char* input(int es, char* p, char* buf, int64_t rows, int64_t cols, int64_t sr, int64_t sc,
+              int64_t row_len) {
+    if (sc == 1 && (rows == 1 || sr == row_len)) return p;
+    const bool bcast = sr == 0 || rows == 1;
+    if (bcast && (sc == 0 || cols == 1) && last == p && filled >= rows * cols) return buf;
+    if (sr == 0 && rows > 1) {  // one row, repeated
+      if (!(last == p && filled >= rows * cols)) {
+        copy2d(es, buf, p, 1, cols, 0, sc);
+        for (int64_t r = 1; r < rows; ++r) std::memcpy(buf + r * cols * es, buf, cols * es);
+        last = p; filled = rows * cols;
+      }
+      return buf;
+    }
+    copy2d(es, buf, p, rows, cols, sr, sc);
+    if (bcast && (sc == 0 || cols == 1)) { last = p; filled = rows * cols; }
+    else last = nullptr;
+    return buf;
+  }
+};
+
+// out[i] = f(in[i]) over `sizes`; Body(n, q) processes n dense elements at q[0..NT).
+template <int ND, int NI, int NO, class Body>
+static void pointwise(const int64_t* sizes, void* const* data, const int64_t* strides,
+                      const int* es, Body body) {
+  constexpr int NT = NI + NO;
+  int64_t numel = 1;
+  for (int d = 0; d < ND; ++d) numel *= sizes[d];
+  if (numel == 0) return;
+  int dims[ND + 1];
+  for (int d = 0; d < ND; ++d) dims[d] = d;
+  Dims<ND, NT> p;
+  plan<ND, NT>(sizes, strides, dims, ND, NI, p);
+  bool flat = p.m <= 1;
+  for (int t = 0; t < NT && flat && p.m == 1; ++t) flat = p.st[t][0] == 1;
+  if (flat) {  // every tensor dense in the output's order: one flat loop
+    auto run = [&](int64_t b, int64_t e) {
+      char* q[NT];
+      for (int t = 0; t < NT; ++t) q[t] = (char*)data[t] + b * es[t];
+      body(e - b, q);
+    };
+    if (!go_parallel(numel, numel)) { run(0, numel); return; }
+#pragma omp parallel
+    { int64_t b, e; chunk(numel, 16, &b, &e); if (b < e) run(b, e); }
+    return;
+  }
+  // General: tiles of (rows of dim m-2) x (dim m-1), outer dims by odometer.
+  const int64_t n1 = p.sz[p.m - 1], n2 = p.m >= 2 ? p.sz[p.m - 2] : 1;
+  const int ko = p.m >= 2 ? p.m - 2 : 0;  // dims [0, ko) are outer
+  const int64_t rb = n1 >= BLOCK ? 1 : BLOCK / n1;
+  const int64_t cb = n1 >= BLOCK ? BLOCK : n1;
+  const int64_t nrb = (n2 + rb - 1) / rb, ncb = (n1 + cb - 1) / cb;
+  int64_t outer = 1;
+  for (int d = 0; d < ko; ++d) outer *= p.sz[d];
+  const int64_t items = outer * nrb * ncb;
+  auto work = [&](int64_t b, int64_t e) {
+    alignas(64) char buf[NT][BLOCK * 4];
+    Staging stg[NT];
+    Cursor<ND, NT> cur;
+    cur.seek(p, ko, b / (nrb * ncb));
+    int64_t w = b % (nrb * ncb);
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t r0 = (w / ncb) * rb, c0 = (w % ncb) * cb;
+      const int64_t rows = n2 - r0 < rb ? n2 - r0 : rb, cols = n1 - c0 < cb ? n1 - c0 : cb;
+      char* q[NT]; char* dst[NT];
+      for (int t = 0; t < NT; ++t) {
+        const int64_t sr = p.m >= 2 ? p.st[t][p.m - 2] : 0, sc = p.st[t][p.m - 1];
+        char* ptr = (char*)data[t] + (cur.off[t] + r0 * sr + c0 * sc) * es[t];
+        if (t < NI) q[t] = stg[t].input(es[t], ptr, buf[t], rows, cols, sr, sc, n1);
+        else if (sc == 1 && (rows == 1 || sr == n1)) { q[t] = ptr; dst[t] = nullptr; }
+        else { q[t] = buf[t]; dst[t] = ptr; }
+      }
+      body(rows * cols, q);
+      for (int t = NI; t < NT; ++t)
+        if (dst[t]) scatter2d(es[t], dst[t], buf[t], rows, cols,
+                              p.m >= 2 ? p.st[t][p.m - 2] : 0, p.st[t][p.m - 1]);
+      if (++w == nrb * ncb) { w = 0; cur.next(p, ko); }
+    }
+  };
+  if (!go_parallel(numel, items)) { work(0, items); return; }
+#pragma omp parallel
+  { int64_t b, e; chunk(items, 1, &b, &e); if (b < e) work(b, e); }
+}
+
+template <int KIND> static inline float red_init() {
+  return KIND == 2 ? -INFINITY : KIND == 3 ? INFINITY : 0.f;
+}
+template <int KIND> static inline float red_op(float a, float v) {
+  return KIND == 2 ? max_(a, v) : KIND == 3 ? min_(a, v) : a + v;
+}
+
+// Reduce f(inputs) over dims `rd` (KIND: 0 sum, 1 mean, 2 amax, 3 amin) and store
+// Fin(value, out_ptr). Pro(n, q, v) writes f at n dense elements to v. Accumulation is float32,
+// in a fixed order (results do not depend on the thread count).
+template <int ND, int NI, int KIND, class Pro, class Fin>
+static void reduction(const int64_t* sizes, void* const* data, const int64_t* strides,
+                      const int* es, const int* kd, int nk, const int* rd, int nr,
+                      Pro pro, Fin fin) {
+  constexpr int NT = NI + 1;
+  int64_t numel = 1, rcount = 1, ocount = 1;
+  for (int d = 0; d < ND; ++d) numel *= sizes[d];
+  for (int i = 0; i < nr; ++i) rcount *= sizes[rd[i]];
+  for (int i = 0; i < nk; ++i) ocount *= sizes[kd[i]];
+  if (ocount == 0) return;
+  // Reference for memory order: the first input not broadcast anywhere.
+  int ref = 0;
+  for (int t = NI - 1; t >= 0; --t) {
+    bool full = true;
+    for (int d = 0; d < ND; ++d) full = full && (sizes[d] == 1 || strides[t * ND + d] != 0);
+    if (full) ref = t;
+  }
+  Dims<ND, NT> K, R;
+  plan<ND, NT>(sizes, strides, kd, nk, ref, K);
+  plan<ND, NT>(sizes, strides, rd, nr, ref, R);
+  auto finish = [&](float acc, char* out) {
+    fin(KIND == 1 ? acc / (float)rcount : acc, out);
+  };
+  // Vectorise along the reduced dim when it is innermost in memory, else along the kept one.
+  const bool inner = K.m == 0 || (R.m > 0 && R.st[ref][R.m - 1] < K.st[ref][K.m - 1]);
+  if (inner) {
+    const int64_t n1 = R.m ? R.sz[R.m - 1] : 1;
+    int64_t nro = 1;
+    for (int d = 0; d + 1 < R.m; ++d) nro *= R.sz[d];
+    auto work = [&](int64_t b, int64_t e) {
+      alignas(64) char buf[NI][BLOCK * 4];
+      alignas(64) float v[BLOCK];
+      Staging stg[NI];
+      Cursor<ND, NT> kc, rc;
+      kc.seek(K, K.m, b);
+      for (int64_t o = b; o < e; ++o, kc.next(K, K.m)) {
+        float tot[L];
+        for (int l = 0; l < L; ++l) tot[l] = red_init<KIND>();
+        rc.seek(R, R.m - 1, 0);
+        for (int64_t ro = 0; ro < nro; ++ro, rc.next(R, R.m - 1)) {
+          for (int64_t c0 = 0; c0 < n1; c0 += BLOCK) {
+            const int64_t n = n1 - c0 < BLOCK ? n1 - c0 : BLOCK;
+            char* q[NI];
+            for (int t = 0; t < NI; ++t) {
+              const int64_t sc = R.m ? R.st[t][R.m - 1] : 0;
+              char* ptr = (char*)data[t] + (kc.off[t] + rc.off[t] + c0 * sc) * es[t];
+              q[t] = stg[t].input(es[t], ptr, buf[t], 1, n, 0, sc, n);
+            }
+            pro(n, q, v);
+            float acc[L];
+            for (int l = 0; l < L; ++l) acc[l] = red_init<KIND>();
+            int64_t j = 0;
+            for (; j + L <= n; j += L)
+              for (int l = 0; l < L; ++l) acc[l] = red_op<KIND>(acc[l], v[j + l]);
+            for (int l = 0; j < n; ++j, ++l) acc[l] = red_op<KIND>(acc[l], v[j]);
+            for (int l = 0; l < L; ++l) tot[l] = red_op<KIND>(tot[l], acc[l]);
+          }
+        }
+        for (int w = L / 2; w > 0; w /= 2)
+          for (int l = 0; l < w; ++l) tot[l] = red_op<KIND>(tot[l], tot[l + w]);
+        finish(tot[0], (char*)data[NI] + kc.off[NI] * es[NI]);
+      }
+    };
+    if (!go_parallel(numel, ocount)) { work(0, ocount); return; }
+#pragma omp parallel
+    { int64_t b, e; chunk(ocount, 1, &b, &e); if (b < e) work(b, e); }
+    return;
+  }
+  // Kept dim innermost (e.g. channels-last mean over H,W): accumulate a block of up to KB
+  // adjacent outputs at once, walking the reduced dims outside.
+  const int64_t n1 = K.sz[K.m - 1];
+  int64_t outer = 1;
+  for (int d = 0; d + 1 < K.m; ++d) outer *= K.sz[d];
+  int64_t kb = KB;  // narrower blocks when there would be too few to share among threads
+  while (kb > 8 && outer * ((n1 + kb - 1) / kb) < 2 * omp_get_max_threads()) kb /= 2;
+  const int64_t ncb = (n1 + kb - 1) / kb, items = outer * ncb;
+  auto work = [&](int64_t b, int64_t e) {
+    alignas(64) char buf[NI][KB * 4];
+    alignas(64) float v[KB], acc[KB], tot[KB];
+    Staging stg[NI];
+    Cursor<ND, NT> kc, rc;
+    kc.seek(K, K.m - 1, b / ncb);
+    int64_t w = b % ncb;
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t c0 = w * kb, n = n1 - c0 < kb ? n1 - c0 : kb;
+      for (int64_t j = 0; j < n; ++j) tot[j] = acc[j] = red_init<KIND>();
+      rc.seek(R, R.m, 0);
+      for (int64_t r = 0; r < rcount; ++r, rc.next(R, R.m)) {
+        char* q[NI];
+        for (int t = 0; t < NI; ++t) {
+          const int64_t sc = K.st[t][K.m - 1];
+          char* ptr = (char*)data[t] + (kc.off[t] + rc.off[t] + c0 * sc) * es[t];
+          q[t] = stg[t].input(es[t], ptr, buf[t], 1, n, 0, sc, n);
+        }
+        pro(n, q, v);
+        for (int64_t j = 0; j < n; ++j) acc[j] = red_op<KIND>(acc[j], v[j]);
+        if ((r & 255) == 255) {  // two-level sum keeps float32 error growth in check
+          for (int64_t j = 0; j < n; ++j) { tot[j] = red_op<KIND>(tot[j], acc[j]); acc[j] = red_init<KIND>(); }
+        }
+      }
+      char* out = (char*)data[NI] + (kc.off[NI] + c0 * K.st[NI][K.m - 1]) * es[NI];
+      for (int64_t j = 0; j < n; ++j)
+        finish(red_op<KIND>(tot[j], acc[j]), out + j * K.st[NI][K.m - 1] * es[NI]);
+      if (++w == ncb) { w = 0; kc.next(K, K.m - 1); }
+    }
+  };
+  if (!go_parallel(numel, items)) { work(0, items); return; }
+#pragma omp parallel
+  { int64_t b, e; chunk(items, 1, &b, &e); if (b < e) work(b, e); }
+}
+}  // namespace cl
+#endif  // CL_KERNEL_PREAMBLE
+"""
+
+
+def _lit(v: float) -> str:
+    if v != v:
+        return '__builtin_nanf("")'
+    if v in (float("inf"), float("-inf")):
+        return "__builtin_inff()" if v > 0 else "(-__builtin_inff())"
+    return f"({v.hex()}f)"
+
+
+class _Emitter:
+    """Emits an expression as straight-line C++ with common subexpressions shared."""
+
+    def __init__(self, loads_as):
+        self.loads_as = loads_as  # Load index -> C++ expression
+        self.lines = []
+        self.memo = {}
+
+    def __call__(self, e) -> str:
+        if isinstance(e, Const):
+            return _lit(e.value)
+        if e in self.memo:
+            return self.memo[e]
+        if isinstance(e, Load):
+            code = self.loads_as(e.index)
+        else:
+            code = self._op(e, [self(a) for a in e.args])
+        name = f"t{len(self.memo)}"
+        self.lines.append(f"const float {name} = {code};")
+        self.memo[e] = name
+        return name
+
+    @staticmethod
+    def _op(e: Op, a):
+        n, p = e.name, e.params
+        binary = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+        if n in binary:
+            return f"{a[0]} {binary[n]} {a[1]}"
+        cmp = {"gt": ">", "lt": "<", "ge": ">=", "le": "<=", "eq": "=="}
+        if n in cmp:
+            return f"({a[0]} {cmp[n]} {a[1]}) ? 1.f : 0.f"
+        simple = {"exp": "std::exp", "log": "std::log", "sqrt": "std::sqrt", "abs": "std::fabs",
+                  "tanh": "std::tanh", "sigmoid": "cl::sigmoid", "silu": "cl::silu",
+                  "hardswish": "cl::hardswish", "hardsigmoid": "cl::hardsigmoid",
+                  "maximum": "cl::max_", "minimum": "cl::min_"}
+        if n in simple:
+            return f"{simple[n]}({', '.join(a)})"
+        x = a[0]
+        if n == "neg":
+            return f"-{x}"
+        if n == "rsqrt":
+            return f"1.f / std::sqrt({x})"
+        if n == "reciprocal":
+            return f"1.f / {x}"
+        if n == "relu":
+            return f"cl::max_({x}, 0.f)"
+        if n == "relu6":
+            return f"cl::min_(cl::max_({x}, 0.f), 6.f)"
+        if n == "leaky_relu":
+            return f"{x} > 0.f ? {x} : {x} * {_lit(p[0])}"
+        if n == "gelu":
+            return f"cl::gelu{'_tanh' if p[0] == 'tanh' else ''}({x})"
+        if n == "where":
+            return f"({x} != 0.f) ? {a[1]} : {a[2]}"
+        if n == "clamp":
+            if p[0] is not None:
+                x = f"cl::max_({x}, {_lit(p[0])})"
+            if p[1] is not None:
+                x = f"cl::min_({x}, {_lit(p[1])})"
+            return x
+        if n == "pow":  # torch's special cases for scalar exponents
+            special = {2.0: f"{x} * {x}", 3.0: f"{x} * {x} * {x}", 0.5: f"std::sqrt({x})",
+                       -0.5: f"1.f / std::sqrt({x})", -1.0: f"1.f / {x}",
+                       -2.0: f"1.f / ({x} * {x})", 1.0: x, 0.0: "1.f"}
+            return special.get(p[0], f"std::pow({x}, {_lit(p[0])})")
+        raise AssertionError(n)  # expr.Op validated the name
+
+
+def _check_expr(e, what):
+    if not isinstance(e, (Load, Const, Op)):
+        raise ValueError(f"{what} is not an expression (Load, Const or Op): {e!r}")
+
+
+def _check_dtype(dt, what):
+    if dt not in _CTYPE:
+        raise ValueError(f"{what}: dtype must be torch.float32 or torch.bfloat16, got {dt}")
+    return dt
+
+
+def _broadcast_strides(t, sizes, what):
+    """Strides of tensor t viewed at `sizes` (right-aligned, broadcast dims get stride 0)."""
+    shape = t.shape
+    if shape == sizes and 1 not in sizes:  # the common case, kept cheap
+        return list(t.stride())
+    nd, k = len(sizes), len(sizes) - len(shape)
+    if k < 0:
+        raise ValueError(f"{what} has {len(shape)} dims, more than the kernel's {nd}")
+    st = t.stride()
+    out = [0] * nd
+    for d in range(k, nd):
+        s = shape[d - k]
+        if s == sizes[d]:
+            if s != 1:
+                out[d] = st[d - k]
+        elif s != 1:
+            raise ValueError(f"{what} of shape {tuple(shape)} does not broadcast to {sizes}")
+    return out
+
+
+def _span(t, sizes, strides):
+    """Byte range [lo, hi) a tensor touches when viewed with these sizes and strides."""
+    lo = t.data_ptr()
+    n = 1
+    for size, st in zip(sizes, strides):
+        if size == 0:
+            return lo, lo
+        n += (size - 1) * st
+    return lo, lo + n * t.element_size()
+
+
+def _check_tensors(ts, dtypes, kind):
+    for i, (t, dt) in enumerate(zip(ts, dtypes)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{kind} {i} is not a tensor: {type(t).__name__}")
+        if t.dtype != dt:
+            raise ValueError(f"{kind} {i} has dtype {t.dtype}, the kernel expects {dt}")
+        if not t.is_cpu or t.layout != torch.strided:
+            raise ValueError(f"{kind} {i} must be a strided CPU tensor")
+
+
+def _check_sizes(sizes, ndim):
+    sizes = tuple(sizes)
+    if len(sizes) != ndim:
+        raise ValueError(f"sizes must have {ndim} entries, got {sizes}")
+    for s in sizes:
+        if type(s) is not int or s < 0:
+            try:
+                return _check_sizes([operator.index(x) for x in sizes], ndim) \
+                    if any(type(x) is not int for x in sizes) else _bad_sizes(sizes, ndim)
+            except TypeError:
+                _bad_sizes(sizes, ndim)
+    return sizes
+
+
+def _bad_sizes(sizes, ndim):
+    raise ValueError(f"sizes must be {ndim} non-negative ints, got {sizes!r}")
+
+
+def _check_aliasing(ins, in_st, outs, out_st, out_sizes):
+    """Outputs must not overlap each other, nor an input unless it is the same elements."""
+    if not outs:
+        return
+    stor = [t.untyped_storage().data_ptr() for t in outs]
+    in_stor = [t.untyped_storage().data_ptr() for t in ins]
+    for i, o in enumerate(outs):  # only tensors on one storage can overlap: cheap common case
+        shared_out = [j for j in range(i + 1, len(outs)) if stor[j] == stor[i]]
+        shared_in = [j for j, sp in enumerate(in_stor) if sp == stor[i]]
+        if not shared_out and not shared_in:
+            continue
+        lo, hi = _span(o, out_sizes[i], out_st[i])
+        for j in shared_out:
+            lo2, hi2 = _span(outs[j], out_sizes[j], out_st[j])
+            if lo < hi2 and lo2 < hi:
+                raise ValueError(f"outputs {i} and {j} overlap")
+        for j in shared_in:
+            b = ins[j]
+            lo2, hi2 = _span(b, out_sizes[i], in_st[j])
+            if lo < hi2 and lo2 < hi and not (
+                    o.data_ptr() == b.data_ptr() and in_st[j] == out_st[i]
+                    and o.element_size() == b.element_size()):
+                raise ValueError(f"output {i} overlaps input {j} without being the same "
+                                 "elements (in place needs identical strides)")
+
+
+class _Compiled:
+    """Validating Python entry point around a compiled kernel: ``run(sizes, ins, outs)``."""
+
+    def __init__(self, kernel, library):
+        self.kernel = kernel
+        self.library = library
+        self.fn = getattr(library.lib, kernel.name)
+        self._ffi = library.ffi
+
+    def call_unchecked(self, sizes, tensors, strides):
+        """Call the kernel without validation: ``tensors`` are inputs then outputs, ``strides``
+        the flat per-tensor list of the C signature (broadcast dims 0). For wrappers that have
+        already proved the layouts; anything wrong here is memory corruption, not an error."""
+        # One buffer holds sizes | data pointers | strides (pointers are 64-bit on x86-64).
+        ffi, nd, nt = self._ffi, len(sizes), len(tensors)
+        buf = ffi.new("int64_t[]", [*sizes, *[t.data_ptr() for t in tensors], *strides])
+        self.fn(buf, ffi.cast("void* const*", buf + nd), buf + nd + nt)
+
+    def _check_counts(self, ins, outs, n_in, n_out):
+        if len(ins) != n_in or len(outs) != n_out:
+            raise ValueError(f"{self.kernel.name}: expected {n_in} input and {n_out} output "
+                             f"tensors, got {len(ins)} and {len(outs)}")
+
+
+class CompiledPointwise(_Compiled):
+    def __call__(self, sizes, in_tensors, out_tensors):
+        k = self.kernel
+        sizes = _check_sizes(sizes, k.ndim)
+        self._check_counts(in_tensors, out_tensors, len(k.inputs), len(k.outputs))
+        _check_tensors(in_tensors, k.inputs, "input")
+        _check_tensors(out_tensors, k.out_dtypes, "output")
+        in_st = [_broadcast_strides(t, sizes, f"input {i}") for i, t in enumerate(in_tensors)]
+        out_st = []
+        for i, t in enumerate(out_tensors):
+            if t.shape != sizes:
+                raise ValueError(f"output {i} has shape {tuple(t.shape)}, expected {sizes}")
+            st = t.stride()
+            if 0 in st and any(s == 0 and n > 1 for s, n in zip(st, sizes)):
+                raise ValueError(f"output {i} is broadcast (stride 0); outputs must not overlap")
+            out_st.append(list(st))
+        _check_aliasing(in_tensors, in_st, out_tensors, out_st, [sizes] * len(out_st))
+        self.call_unchecked(sizes, [*in_tensors, *out_tensors], [s for st in in_st + out_st for s in st])
+
+
+class CompiledReduction(_Compiled):
+    def __call__(self, sizes, in_tensors, out_tensors):
+        k = self.kernel
+        sizes = _check_sizes(sizes, k.ndim)
+        self._check_counts(in_tensors, out_tensors, len(k.input_dtypes), 1)
+        _check_tensors(in_tensors, k.input_dtypes, "input")
+        _check_tensors(out_tensors, (k.out_dtype,), "output")
+        in_st = [_broadcast_strides(t, sizes, f"input {i}") for i, t in enumerate(in_tensors)]
+        out = out_tensors[0]
+        want = k.output_shape(sizes)
+        if out.shape != want:
+            raise ValueError(f"output has shape {tuple(out.shape)}, expected {want}")
+        if k.kind in ("amax", "amin") and any(sizes[d] == 0 for d in k.reduce_dims) \
+                and all(want):
+            raise ValueError(f"{k.kind} over an empty dimension has no identity")
+        if any(s == 0 and n > 1 for s, n in zip(out.stride(), out.shape)):
+            raise ValueError("output is broadcast (stride 0); outputs must not overlap")
+        # Describe the output over the input's dims: stride 0 along the reduced ones.
+        ost, j = [0] * k.ndim, 0
+        for d in range(k.ndim):
+            if d not in k.reduce_dims:
+                ost[d] = out.stride(j) if sizes[d] != 1 else 0
+            if k.keepdim or d not in k.reduce_dims:
+                j += 1
+        so = out.untyped_storage().data_ptr()
+        for i, t in enumerate(in_tensors):
+            if t.untyped_storage().data_ptr() == so:
+                lo, hi = _span(out, out.shape, out.stride())
+                lo2, hi2 = _span(t, sizes, in_st[i])
+                if lo < hi2 and lo2 < hi:
+                    raise ValueError(f"reduction output overlaps input {i}")
+        self.call_unchecked(sizes, [*in_tensors, out], [s for st in in_st for s in st] + ost)
+
+
+class _Kernel:
+    _prefix = "k"
+
+    @property
+    def name(self) -> str:
+        """C symbol, derived from the generated body so equal kernels share it."""
+        if self._name is None:
+            digest = hashlib.sha256(self._body("NAME").encode()).hexdigest()[:16]
+            self._name = f"cl_{self._prefix}_{digest}"
+        return self._name
+
+    def source(self) -> str:
+        """A self-contained translation unit (the preamble is include-guarded, so several
+        kernels' sources can be concatenated into one file)."""
+        return PREAMBLE.replace("@PAR_MIN@", str(PARALLEL_MIN_NUMEL)) + self._body(self.name)
+
+    def cdef(self) -> str:
+        return f"void {self.name}(const int64_t* sizes, void* const* data, const int64_t* strides);"
+
+    def compile(self):
+        if self._compiled is None:
+            lib = build.load_library(self.source(), self.cdef(), name_hint=self.describe())
+            self._compiled = self._runner(self, lib)
+        return self._compiled
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+
+def _es_array(dtypes):
+    return ", ".join("4" if d == torch.float32 else "2" for d in dtypes)
+
+
+class PointwiseKernel(_Kernel):
+    """Computes each output expression at every element of an ``ndim``-dim output shape.
+
+    ``inputs``: dtypes of the inputs (float32/bfloat16), read by ``Load(i)``; ``outputs``:
+    ``(expr, dtype)`` pairs. ``compile()`` returns ``run(sizes, in_tensors, out_tensors)``:
+    outputs must have shape ``sizes``; inputs broadcast to it (right-aligned, size-1 dims).
+    """
+    _prefix = "pw"
+    _runner = CompiledPointwise
+
+    def __init__(self, inputs, outputs, ndim: int):
+        self.inputs = tuple(_check_dtype(d, f"input {i}") for i, d in enumerate(inputs))
+        self.outputs = tuple((e, _check_dtype(d, f"output {i}")) for i, (e, d) in enumerate(outputs))
+        self.out_dtypes = tuple(d for _, d in self.outputs)
+        if not self.outputs:
+            raise ValueError("a pointwise kernel needs at least one output")
+        if not isinstance(ndim, int) or not 0 <= ndim <= _MAX_NDIM:
+            raise ValueError(f"ndim must be an int in [0, {_MAX_NDIM}], got {ndim!r}")
+        self.ndim = ndim
+        for i, (e, _) in enumerate(self.outputs):
+            _check_expr(e, f"output {i}")
+            bad = [j for j in loads(e) if j >= len(self.inputs)]
+            if bad:
+                raise ValueError(f"output {i} reads input {bad[0]} of {len(self.inputs)}")
+        self._compiled = None
+        self._name = None
+
+    def _key(self):
+        return ("pw", self.inputs, self.outputs, self.ndim)
+
+    def _body(self, name):
+        ni = len(self.inputs)
+        em = _Emitter(lambda i: f"cl::ld(i{i}[j])")
+        results = [em(e) for e, _ in self.outputs]
+        lines = [f"const {_CTYPE[d]}* i{i} = (const {_CTYPE[d]}*)q[{i}];"
+                 for i, d in enumerate(self.inputs)]
+        lines += [f"{_CTYPE[d]}* o{i} = ({_CTYPE[d]}*)q[{ni + i}];"
+                  for i, (_, d) in enumerate(self.outputs)]
+        # All loads and math before any store: an in-place output may be one of the inputs.
+        inner = em.lines + [f"o{i}[j] = cl::cvt<{_CTYPE[d]}>({r});"
+                            for i, (r, (_, d)) in enumerate(zip(results, self.outputs))]
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  static const int es[] = {{{_es_array(self.inputs + tuple(d for _, d in self.outputs))}}};\n"
+            f"  cl::pointwise<{self.ndim}, {ni}, {len(self.outputs)}>(sizes, data, strides, es,\n"
+            f"      [](int64_t n, char* const* q) {{\n"
+            + "".join(f"    {ln}\n" for ln in lines)
+            + "#pragma omp simd\n    for (int64_t j = 0; j < n; ++j) {\n"
+            + "".join(f"      {ln}\n" for ln in inner)
+            + "    }\n  });\n}\n"
+        )
+
+    def describe(self) -> str:
+        ins = ",".join(_SHORT[d] for d in self.inputs)
+        outs = "; ".join(f"{_SHORT[d]} {e}" for e, d in self.outputs)
+        return f"pointwise ndim={self.ndim} in=({ins}) -> {outs}"
+
+
+class ReductionKernel(_Kernel):
+    """``epilogue(reduce(prologue(inputs), reduce_dims))`` with float32 accumulation.
+
+    ``input_dtype``: one dtype for every input, or a list (one per input); the number of inputs is
+    1 + the largest ``Load`` index in ``prologue``. ``kind``: 'sum', 'mean', 'amax' or 'amin'.
+    ``epilogue`` reads the reduced value as ``Load(0)``. ``run(sizes, in_tensors, [out])`` takes
+    the *input* shape as ``sizes``; ``out`` has the reduced shape (size-1 dims kept if
+    ``keepdim``). Input 0 (or the first unbroadcast input) sets the loop order.
+    """
+    _prefix = "red"
+    _runner = CompiledReduction
+
+    def __init__(self, input_dtype, prologue, kind, ndim, reduce_dims, keepdim=False,
+                 out_dtype=torch.float32, epilogue=None):
+        if kind not in _REDUCTIONS:
+            raise ValueError(f"kind must be one of {_REDUCTIONS}, got {kind!r}")
+        if not isinstance(ndim, int) or not 0 <= ndim <= _MAX_NDIM:
+            raise ValueError(f"ndim must be an int in [0, {_MAX_NDIM}], got {ndim!r}")
+        _check_expr(prologue, "prologue")
+        if epilogue is not None:
+            _check_expr(epilogue, "epilogue")
+        n_in = max(loads(prologue), default=-1) + 1
+        if isinstance(input_dtype, torch.dtype):
+            dts = (input_dtype,) * max(n_in, 1)
+        else:
+            dts = tuple(input_dtype)
+            if len(dts) < n_in or not dts:
+                raise ValueError(f"prologue reads {n_in} inputs, {len(dts)} dtypes given")
+        self.input_dtypes = tuple(_check_dtype(d, f"input {i}") for i, d in enumerate(dts))
+        dims = sorted({d % ndim if ndim and -ndim <= d < ndim else _bad_dim(d, ndim)
+                       for d in reduce_dims})
+        self.reduce_dims = tuple(dims)
+        self.prologue, self.kind, self.ndim, self.keepdim = prologue, kind, ndim, bool(keepdim)
+        self.out_dtype = _check_dtype(out_dtype, "output")
+        if epilogue is not None and loads(epilogue) - {0}:
+            raise ValueError("the epilogue may only read Load(0), the reduced value")
+        self.epilogue = epilogue
+        self._compiled = None
+        self._name = None
+
+    def output_shape(self, sizes):
+        return tuple(1 if d in self.reduce_dims else s for d, s in enumerate(sizes)
+                     if self.keepdim or d not in self.reduce_dims)
+
+    def _key(self):
+        return ("red", self.input_dtypes, self.prologue, self.kind, self.ndim, self.reduce_dims,
+                self.keepdim, self.out_dtype, self.epilogue)
+
+    def _body(self, name):
+        ni = len(self.input_dtypes)
+        kd = [d for d in range(self.ndim) if d not in self.reduce_dims]
+        em = _Emitter(lambda i: f"cl::ld(i{i}[j])")
+        r = em(self.prologue)
+        pro = [f"const {_CTYPE[d]}* i{i} = (const {_CTYPE[d]}*)q[{i}];"
+               for i, d in enumerate(self.input_dtypes)]
+        ep = _Emitter(lambda i: "acc")
+        res = ep(self.epilogue) if self.epilogue is not None else "acc"
+        ct = _CTYPE[self.out_dtype]
+        arr = lambda xs: "{" + ", ".join(map(str, xs or [0])) + "}"
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  static const int es[] = {{{_es_array(self.input_dtypes + (self.out_dtype,))}}};\n"
+            f"  static const int kd[] = {arr(kd)}, rd[] = {arr(self.reduce_dims)};\n"
+            f"  cl::reduction<{self.ndim}, {ni}, {_REDUCTIONS.index(self.kind)}>(sizes, data, strides,"
+            f" es, kd, {len(kd)}, rd, {len(self.reduce_dims)},\n"
+            f"      [](int64_t n, char* const* q, float* v) {{\n"
+            + "".join(f"    {ln}\n" for ln in pro)
+            + "#pragma omp simd\n    for (int64_t j = 0; j < n; ++j) {\n"
+            + "".join(f"      {ln}\n" for ln in em.lines)
+            + f"      v[j] = {r};\n    }}\n  }},\n"
+            f"      [](float acc, char* out) {{\n"
+            + "".join(f"    {ln}\n" for ln in ep.lines)
+            + f"    *({ct}*)out = cl::cvt<{ct}>({res});\n  }});\n}}\n"
+        )
+
+    def describe(self) -> str:
+        ins = ",".join(_SHORT[d] for d in self.input_dtypes)
+        epi = f" then {self.epilogue}" if self.epilogue is not None else ""
+        return (f"reduction {self.kind}{list(self.reduce_dims)} keepdim={self.keepdim} "
+                f"ndim={self.ndim} in=({ins}) of {self.prologue}{epi} -> {_SHORT[self.out_dtype]}")
+
+
+def _bad_dim(d, ndim):
+    raise ValueError(f"reduce dim {d} out of range for ndim {ndim}")

@@ -1,0 +1,125 @@
+"""Default wrapper: one generated Python function per graph.
+
+Each IR node becomes one statement calling a runtime object (a conv, a
+fused kernel, an ATen op); layout conversions the plan asks for are emitted
+inline, and every intermediate is released (`del`) after its last use, so
+peak memory follows the schedule rather than the graph.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+
+from cpu_layout import ir
+from cpu_layout import layout as L
+from cpu_layout import runtime
+
+
+class _Emitter:
+    def __init__(self, debug: bool):
+        self.lines: List[str] = []
+        self.globals: Dict[str, object] = {
+            "to_order": runtime.to_order,
+            "check_layout": runtime.check_layout,
+        }
+        self.debug = debug
+        self._k = 0
+
+    def constant(self, value, prefix="_k") -> str:
+        name = f"{prefix}{self._k}"
+        self._k += 1
+        self.globals[name] = value
+        return name
+
+    def render(self, a, names: Dict[ir.Buffer, str]) -> str:
+        if isinstance(a, ir.Buffer):
+            return names.get(a, a.name)
+        if isinstance(a, list):
+            return "[" + ", ".join(self.render(x, names) for x in a) + "]"
+        if isinstance(a, tuple):
+            inner = ", ".join(self.render(x, names) for x in a)
+            return "(" + inner + ("," if len(a) == 1 else "") + ")"
+        if isinstance(a, bool) or a is None or isinstance(a, (int, str)):
+            return repr(a)
+        if isinstance(a, float) and math.isfinite(a):
+            return repr(a)
+        return self.constant(a)
+
+    def emit(self, line: str):
+        self.lines.append("    " + line)
+
+
+def _required(node: ir.Node, b: ir.Buffer):
+    """The order `node` needs input `b` in, or None for as it is."""
+    if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem)):
+        return None  # convs read dense NCHW/NHWC in place and copy anything else themselves
+    if isinstance(node, ir.Output) or node.rule == ir.EAGER:
+        order = b.eager_order()
+        return None if order == ir.EAGER else order
+    out = node.out
+    if out is None or out.layout not in L.LABELS:
+        return None
+    if isinstance(node, ir.Pointwise):
+        # ATen's output follows full-size inputs; broadcast operands don't matter.
+        return out.layout if b.size == out.size else None
+    return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
+
+
+def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
+    """Whether `b` as planned already satisfies `order` (size-1 dims ignored)."""
+    if b.layout == ir.EAGER or b.layout is None:
+        return L.is_in_order(b.size, b.eager_stride, order)
+    return L.is_in_order(b.size, L.strides_for_order(b.size, b.layout), order)
+
+
+def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
+    """Python source of `call(args)` and its globals. `runners` maps nodes to
+    the callables that execute them (convs, kernels, ATen wrappers)."""
+    em = _Emitter(debug)
+    inputs = [n for n in g.nodes if isinstance(n, ir.Input)]
+    last_use: Dict[ir.Buffer, ir.Node] = {}
+    for n in g.nodes:
+        for b in n.inputs:
+            last_use[b] = n
+    em.lines.append("def call(args):")
+    if inputs:
+        em.emit(", ".join(n.out.name for n in inputs) + ", = args")
+        em.emit("args.clear()")  # the boxed convention: we own the inputs now
+    for n in g.nodes:
+        if isinstance(n, ir.Input):
+            continue
+        names: Dict[ir.Buffer, str] = {}
+        for b in n.inputs:
+            order = _required(n, b)
+            if order is not None and b not in names and not _planned_strides_match(b, order):
+                tmp = f"{b.name}_{'cl' if order == L.CHANNELS_LAST else 'cf'}"
+                em.emit(f"{tmp} = to_order({b.name}, {order!r})")
+                names[b] = tmp
+        if isinstance(n, ir.Output):
+            em.emit("return " + em.render(tuple(n.values), names))
+            break
+        fn = None if isinstance(n, ir.Getitem) else em.constant(runners[n], prefix=f"_{type(n).__name__.lower()}")
+        if isinstance(n, ir.Conv):
+            call = f"{fn}(" + ", ".join(names.get(b, b.name) for b in n.inputs) + ")"
+        elif isinstance(n, ir.Getitem):
+            call = f"{names.get(n.inputs[0], n.inputs[0].name)}[{n.index}]"
+        elif isinstance(n, ir.Pointwise):
+            target, args, kwargs = n.aten
+            call = f"{fn}(" + ", ".join(
+                [em.render(a, names) for a in args] + [f"{k}={em.render(v, names)}" for k, v in kwargs.items()]
+            ) + ")"
+        else:
+            call = f"{fn}(" + ", ".join(
+                [em.render(a, names) for a in n.args] + [f"{k}={em.render(v, names)}" for k, v in n.kwargs.items()]
+            ) + ")"
+        em.emit(f"{n.out.name} = {call}")
+        if debug and n.out.is_tensor and n.out.layout in L.LABELS:
+            em.emit(f"check_layout({n.out.name}, {n.out.layout!r}, {n.out.name!r})")
+        dead = [b.name for b in dict.fromkeys(n.inputs) if last_use.get(b) is n]
+        dead += list(names.values())
+        if dead:
+            em.emit("del " + ", ".join(dead))
+    source = "\n".join(em.lines) + "\n"
+    return source, em.globals

@@ -1,0 +1,255 @@
+"""Lowering: an inference ATen FX graph (from aot_autograd) to cpu_layout IR.
+
+Convolutions become `ir.Conv` (with inference batch-norm folded in when its
+parameters are module state), element-wise ops become `ir.Pointwise`,
+layout-agnostic ATen ops (pooling, upsampling, cat) `ir.Aten` with rule
+FOLLOW, and everything else an `ir.Aten` with rule EAGER: it runs the ATen op
+on inputs laid out as eager had them, so its result is eager's.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, Iterable
+
+import torch
+from torch.fx import Node as FxNode
+
+from cpu_layout import ir
+
+aten = torch.ops.aten
+
+# aten overload -> (pointwise op name, how to read its arguments)
+_UNARY = {
+    aten.relu.default: "relu",
+    aten.sigmoid.default: "sigmoid",
+    aten.tanh.default: "tanh",
+    aten.silu.default: "silu",
+    aten.hardswish.default: "hardswish",
+    aten.hardsigmoid.default: "hardsigmoid",
+    aten.exp.default: "exp",
+    aten.log.default: "log",
+    aten.sqrt.default: "sqrt",
+    aten.rsqrt.default: "rsqrt",
+    aten.reciprocal.default: "reciprocal",
+    aten.neg.default: "neg",
+    aten.abs.default: "abs",
+}
+_BINARY = {
+    aten.add.Tensor: "add",
+    aten.sub.Tensor: "sub",
+    aten.mul.Tensor: "mul",
+    aten.div.Tensor: "div",
+    aten.maximum.default: "maximum",
+    aten.minimum.default: "minimum",
+    aten.add.Scalar: "add",
+    aten.sub.Scalar: "sub",
+    aten.mul.Scalar: "mul",
+    aten.div.Scalar: "div",
+}
+
+# Ops whose output takes the memory format of their (first) tensor input and
+# that accept either format: safe to run on channels-last data.
+_FOLLOW = {
+    aten.max_pool2d.default,
+    aten.avg_pool2d.default,
+    aten.upsample_nearest2d.default,
+    aten.upsample_nearest2d.vec,
+    aten.upsample_bilinear2d.default,
+    aten.upsample_bilinear2d.vec,
+    aten._native_batch_norm_legit_no_training.default,
+    aten.cat.default,
+    aten.clone.default,
+    aten.constant_pad_nd.default,
+}
+
+_FLOAT = (torch.float32, torch.bfloat16)
+
+
+class _Picked:
+    """A tuple-returning FX node whose used elements map straight to buffers
+    (batch-norm folded into its conv, max-pool without indices)."""
+
+    def __init__(self, items: dict):
+        self.items = items
+
+
+class Lowering:
+    def __init__(self, gm: torch.fx.GraphModule, param_indices: Iterable[int]):
+        self.gm = gm
+        self.params = set(param_indices)
+        self.g = ir.Graph()
+        self.env: Dict[FxNode, object] = {}
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _val(self, n: FxNode):
+        return n.meta.get("val", n.meta.get("example_value"))
+
+    def _buffer_for(self, n: FxNode, prefix="buf") -> ir.Buffer:
+        v = self._val(n)
+        if isinstance(v, torch.Tensor):
+            return self.g.new_buffer(prefix, size=tuple(v.shape), dtype=v.dtype, eager_stride=tuple(v.stride()))
+        return self.g.new_buffer(prefix)
+
+    def _arg(self, a):
+        """FX argument -> the same structure with Buffers for nodes."""
+        if isinstance(a, FxNode):
+            return self.env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self._arg(v) for k, v in a.items()}
+        return a
+
+    def _is_param(self, b) -> bool:
+        return isinstance(b, ir.Buffer) and b.constant
+
+    def _aten(self, n: FxNode, rule: str, target=None, args=None, kwargs=None) -> ir.Buffer:
+        args = self._arg(n.args) if args is None else args
+        kwargs = self._arg(n.kwargs) if kwargs is None else kwargs
+        multi = isinstance(self._val(n), (tuple, list))
+        out = self._buffer_for(n)
+        node = ir.Aten(n.name, ir.values_of((args, kwargs)), out, rule=rule, target=target or n.target,
+                       args=args, kwargs=kwargs, multi=multi)
+        self.g.add(node)
+        return out
+
+    # ---- per-op lowering -------------------------------------------------------
+
+    def _conv(self, n: FxNode):
+        x, w, b, stride, padding, dilation, transposed, output_padding, groups = n.args
+        xv = self._val(x)
+        if transposed or xv.dtype not in _FLOAT or xv.dim() not in (3, 4, 5):
+            return self._aten(n, ir.EAGER)
+        if any(isinstance(p, torch.SymInt) for p in (*stride, *padding, *dilation)):
+            return self._aten(n, ir.EAGER)
+        xb, wb = self.env[x], self.env[w]
+        bb = self.env[b] if b is not None else None
+        out = self._buffer_for(n)
+        inputs = [xb, wb] + ([bb] if bb is not None else [])
+        node = ir.Conv(n.name, inputs, out, x=xb, weight=wb, bias=bb, stride=tuple(stride),
+                       padding=tuple(padding), dilation=tuple(dilation), groups=int(groups))
+        self.g.add(node)
+        return out
+
+    def _batch_norm(self, n: FxNode):
+        x, w, b, mean, var, _momentum, eps = n.args
+        xb = self.env[x]
+        conv = xb.producer
+        state = [self.env[a] for a in (w, b, mean, var) if a is not None]
+        foldable = (
+            isinstance(conv, ir.Conv)
+            and conv.bn is None
+            and not conv.post_ops
+            and len(x.users) == 1  # the FX conv feeds only this batch-norm
+            and all(self._is_param(s) for s in state)
+            and len([u for u in n.users if u.target is operator.getitem and u.args[1] != 0]) == 0
+        )
+        if not foldable:
+            return self._aten(n, ir.FOLLOW)
+        fold = ir.BatchNormFold(
+            weight=self.env[w] if w is not None else None,
+            bias=self.env[b] if b is not None else None,
+            mean=self.env[mean], var=self.env[var], eps=float(eps),
+        )
+        conv.bn = fold
+        for s in state:
+            conv.inputs.append(s)
+            s.users.append(conv)
+        return _Picked({0: xb})
+
+    def _pointwise(self, n: FxNode, op: str, args: list, params=()):
+        v = self._val(n)
+        tensors = [a for a in args if isinstance(a, ir.Buffer) and a.is_tensor]
+        if v.dtype not in _FLOAT or any(t.dtype not in _FLOAT for t in tensors):
+            return self._aten(n, ir.EAGER)
+        if any(isinstance(a, (torch.SymInt, torch.SymFloat)) for a in args):
+            return self._aten(n, ir.EAGER)
+        out = self._buffer_for(n)
+        node = ir.Pointwise(n.name, [a for a in args if isinstance(a, ir.Buffer)], out, op=op,
+                            args=list(args), params=tuple(params))
+        node.aten = (n.target, self._arg(n.args), self._arg(n.kwargs))  # how to run it on ATen
+        self.g.add(node)
+        return out
+
+    def _call(self, n: FxNode):
+        t = n.target
+        if t is aten.convolution.default:
+            return self._conv(n)
+        if t is aten._native_batch_norm_legit_no_training.default:
+            return self._batch_norm(n)
+        if t is operator.getitem:
+            src = self.env[n.args[0]]
+            if isinstance(src, _Picked):
+                return src.items[n.args[1]]
+            out = self._buffer_for(n)
+            self.g.add(ir.Getitem(n.name, [src], out, index=n.args[1]))
+            return out
+        if t in _UNARY:
+            return self._pointwise(n, _UNARY[t], [self._arg(n.args[0])])
+        if t in _BINARY:
+            a, b = self._arg(n.args[0]), self._arg(n.args[1])
+            alpha = n.kwargs.get("alpha", 1)
+            if alpha != 1:
+                return self._aten(n, ir.EAGER)
+            return self._pointwise(n, _BINARY[t], [a, b])
+        if t is aten.gelu.default:
+            approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+            return self._pointwise(n, "gelu", [self._arg(n.args[0])], params=(approx,))
+        if t in (aten.hardtanh.default, aten.clamp.default):
+            lo = n.args[1] if len(n.args) > 1 else n.kwargs.get("min")
+            hi = n.args[2] if len(n.args) > 2 else n.kwargs.get("max")
+            if t is aten.hardtanh.default:
+                lo = -1.0 if lo is None else lo
+                hi = 1.0 if hi is None else hi
+            return self._pointwise(n, "clamp", [self._arg(n.args[0])], params=(lo, hi))
+        if t is aten.leaky_relu.default:
+            slope = n.args[1] if len(n.args) > 1 else 0.01
+            return self._pointwise(n, "leaky_relu", [self._arg(n.args[0])], params=(slope,))
+        if t is aten._to_copy.default and set(n.kwargs) <= {"dtype"} and len(n.args) == 1:
+            return self._pointwise(n, "to", [self._arg(n.args[0])], params=(n.kwargs.get("dtype"),))
+        if t is aten.max_pool2d_with_indices.default:
+            idx_used = any(u.target is operator.getitem and u.args[1] != 0 for u in n.users)
+            if not idx_used:
+                out = self._aten(n, ir.FOLLOW, target=aten.max_pool2d.default)
+                self.g.nodes[-1].multi = False
+                v = self._val(n)[0]
+                out.size, out.dtype, out.eager_stride = tuple(v.shape), v.dtype, tuple(v.stride())
+                return _Picked({0: out})
+            return self._aten(n, ir.EAGER)
+        if t in _FOLLOW:
+            fmt = n.kwargs.get("memory_format")
+            if fmt is not None and fmt is not torch.preserve_format:
+                return self._aten(n, ir.EAGER)  # an explicit format is eager's choice, not ours
+            return self._aten(n, ir.FOLLOW)
+        return self._aten(n, ir.EAGER)
+
+    def run(self) -> ir.Graph:
+        index = 0
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                out = self._buffer_for(n, prefix="arg")
+                node = ir.Input(n.name, [], out, index=index, is_param=index in self.params)
+                out.constant = node.is_param and out.is_tensor
+                self.g.add(node)
+                self.env[n] = out
+                index += 1
+            elif n.op == "call_function":
+                self.env[n] = r = self._call(n)
+                node = self.g.nodes[-1] if self.g.nodes else None
+                if isinstance(r, ir.Buffer) and node is not None and node.out is r:
+                    # A cast or view of module state is module state too.
+                    tensors = [b for b in node.inputs if b.is_tensor]
+                    r.constant = bool(tensors) and all(b.constant for b in tensors) and not isinstance(
+                        node, ir.Conv)
+            elif n.op == "output":
+                vals = [self._arg(v) for v in n.args[0]]
+                self.g.add(ir.Output("output", ir.values_of(vals), None, values=vals))
+            else:
+                raise NotImplementedError(f"FX node kind {n.op}")
+        return self.g
+
+
+def lower(gm: torch.fx.GraphModule, param_indices: Iterable[int]) -> ir.Graph:
+    """`param_indices`: positions of graph inputs that are module parameters/buffers."""
+    return Lowering(gm, param_indices).run()

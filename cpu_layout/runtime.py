@@ -1,0 +1,132 @@
+"""What generated wrappers call at run time: convolutions with folded
+batch-norm, layout conversions, and per-buffer layout checks (debug mode).
+
+Parameters arrive as graph inputs on every call, so a folded weight is
+recomputed exactly when one of its sources changed (version counter or
+storage): module state is constant only while it is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from cpu_layout import layout as L
+from cpu_layout import ops
+
+
+def to_order(x: torch.Tensor, order: str) -> torch.Tensor:
+    """`x` dense in `order` (a no-op when it already is: size-1 dims are ignored)."""
+    if order == L.CHANNELS_LAST and x.dim() in (4, 5):
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        return x.contiguous(memory_format=fmt)
+    if order == L.CONTIGUOUS:
+        return x.contiguous()
+    return x
+
+
+def check_layout(x, order: str, name: str, size_hint: Optional[Sequence] = None) -> None:
+    """CPU_LAYOUT_DEBUG: the runtime produced the layout the plan promised."""
+    if not isinstance(x, torch.Tensor) or order not in L.LABELS:
+        return
+    if not L.is_in_order(tuple(x.shape), tuple(x.stride()), order):
+        raise AssertionError(
+            f"cpu_layout: buffer {name} was planned {order} but has size {tuple(x.shape)} "
+            f"stride {x.stride()}"
+        )
+
+
+def _key(t: Optional[torch.Tensor]):
+    return None if t is None else (t.data_ptr(), t._version, t.dtype)
+
+
+class FoldedConvWeights:
+    """Conv weight and bias with an inference batch-norm folded in.
+
+    Recomputed when any source tensor changed; otherwise the same tensors are
+    returned, so the extension's reordered-weight cache keeps hitting."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+        self.key = None
+        self.value = None
+
+    def __call__(self, w, b, bn_w, bn_b, mean, var):
+        key = tuple(_key(t) for t in (w, b, bn_w, bn_b, mean, var))
+        if key != self.key:
+            with torch.no_grad():
+                scale = torch.rsqrt(var.float() + self.eps)
+                if bn_w is not None:
+                    scale = scale * bn_w.float()
+                shift = -mean.float() * scale
+                if bn_b is not None:
+                    shift = shift + bn_b.float()
+                if b is not None:
+                    shift = shift + b.float() * scale
+                shape = (-1,) + (1,) * (w.dim() - 1)
+                wf = (w.float() * scale.reshape(shape)).to(w.dtype).contiguous()
+                self.value = (wf, shift.to(w.dtype).contiguous())
+            self.key = key
+        return self.value
+
+
+class Memoized:
+    """Runs `fn` again only when one of its tensor arguments changed (storage
+    or version counter): for nodes computed from module state alone."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.key = None
+        self.value = None
+
+    def __call__(self, *args, **kwargs):
+        key = tuple(_key(a) if isinstance(a, torch.Tensor) else None for a in args)
+        key += tuple(_key(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
+        if key != self.key or self.value is None:
+            self.value = self.fn(*args, **kwargs)
+            self.key = key
+        return self.value
+
+
+class ConvCall:
+    """One `ir.Conv` node: a callable for the generated wrapper."""
+
+    def __init__(self, node, out_layout: str):
+        self.nsp = node.x.rank - 2
+        self.stride, self.padding, self.dilation, self.groups = (
+            node.stride, node.padding, node.dilation, node.groups)
+        self.out_layout = "nhwc" if out_layout == L.CHANNELS_LAST else "nchw"
+        # Post-ops as cpu_layout.ops takes them; residuals are passed per call.
+        self.post_template = [("add", None) if isinstance(p, tuple) and p[0] == "add" else p
+                              for p in node.post_ops]
+        self.n_residuals = sum(1 for p in self.post_template if isinstance(p, tuple) and p[0] == "add")
+        self.has_bias = node.bias is not None
+        self.fold = FoldedConvWeights(node.bn.eps) if node.bn is not None else None
+        self.bn_has = (node.bn.weight is not None, node.bn.bias is not None) if node.bn else None
+
+    def __call__(self, x, w, *rest):
+        rest = list(rest)
+        b = rest.pop(0) if self.has_bias else None
+        if self.fold is not None:
+            bn_w = rest.pop(0) if self.bn_has[0] else None
+            bn_b = rest.pop(0) if self.bn_has[1] else None
+            mean, var = rest.pop(0), rest.pop(0)
+            w, b = self.fold(w, b, bn_w, bn_b, mean, var)
+        post = self.post_template
+        if self.n_residuals:
+            it = iter(rest)
+            post = [("add", next(it)) if isinstance(p, tuple) and p[0] == "add" else p for p in post]
+        return ops._run(self.nsp, x, w, b, self.stride, self.padding, self.dilation, self.groups,
+                        post, self.out_layout)
+
+
+class AtenPointwise:
+    """A pointwise node run by ATen (not yet fused into a kernel): the result
+    is brought to the planned layout (ATen's own choice follows its inputs)."""
+
+    def __init__(self, target, order: str):
+        self.target = target
+        self.order = order
+
+    def __call__(self, *args, **kwargs):
+        return to_order(self.target(*args, **kwargs), self.order)

@@ -1,0 +1,54 @@
+"""Give every IR buffer its layout and every node the callable that runs it.
+
+Layouts: FREE nodes (convs, pointwise) take the planner's choice; FOLLOW
+nodes inherit their first tensor input's layout (ATen keeps the memory
+format of what it is given); EAGER nodes and graph inputs keep eager's
+strides. `runtime` holds what the callables do.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+from cpu_layout import ir
+from cpu_layout import layout as L
+from cpu_layout import runtime
+
+
+def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
+    for n in g.nodes:
+        if n.out is None:
+            continue
+        b = n.out
+        if not b.is_tensor:
+            b.layout = None
+        elif isinstance(n, ir.Input) or n.rule == ir.EAGER:
+            b.layout = ir.EAGER
+        elif n.rule == ir.FREE:
+            b.layout = (choose(n) or L.CONTIGUOUS) if b.rank in (4, 5) else L.CONTIGUOUS
+        elif choose(n) is not None and b.rank in (4, 5):
+            b.layout = choose(n)  # FOLLOW op the planner gave a layout; inputs are converted to it
+        else:  # FOLLOW
+            first = next((i for i in n.inputs if i.is_tensor), None)
+            src = first.layout if first is not None else ir.EAGER
+            if src == ir.EAGER and first is not None:
+                src = first.eager_order()
+            b.layout = src if b.rank in (4, 5) else (ir.EAGER if src == ir.EAGER else L.CONTIGUOUS)
+
+
+def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None) -> Dict[ir.Node, object]:
+    if choose is None:
+        from cpu_layout.plan import ir_plan
+
+        choose = ir_plan.planner_choice(g)
+    _propagate(g, choose)
+    runners: Dict[ir.Node, object] = {}
+    for n in g.nodes:
+        if isinstance(n, ir.Conv):
+            runners[n] = runtime.ConvCall(n, n.out.layout)
+        elif isinstance(n, ir.Pointwise):
+            runners[n] = runtime.AtenPointwise(n.aten[0], n.out.layout)
+        elif isinstance(n, ir.Aten):
+            runners[n] = n.target
+        if n in runners and n.out is not None and n.out.constant:
+            runners[n] = runtime.Memoized(runners[n])
+    return runners

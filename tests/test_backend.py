@@ -1,0 +1,236 @@
+"""torch.compile(backend="cpu_layout") end to end, against eager PyTorch.
+
+Every compile runs with CPU_LAYOUT_STRICT=1 (a fallback to eager is an error)
+and the debug option (each planned layout is asserted at run time).
+Tolerances: fp32 outputs to 1e-4 of the output's largest magnitude (plus
+1e-4 relative); AMP outputs against eager AMP to 3e-2 of the largest
+magnitude: both round to bf16, but at different points (folded batch-norm,
+fused epilogues), and deep nets accumulate those differences.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cpu_layout.backend as backend
+from cpu_layout import ir, models
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+@pytest.fixture(autouse=True)
+def strict(monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_STRICT", "1")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """Every wrapper the backend generates, in order."""
+    made = []
+    real = backend.compile_graph
+
+    def spy(gm, inputs, options):
+        call = real(gm, inputs, options)
+        made.append(call)
+        return call
+
+    monkeypatch.setattr(backend, "compile_graph", spy)
+    return made
+
+
+def run_both(model, x, amp=False, dynamic=False, **opts):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        ref = model(x)
+        fn = torch.compile(model, backend="cpu_layout", dynamic=dynamic,
+                           options={"debug": True, **opts})
+        y = fn(x)
+    return fn, y, ref
+
+
+def assert_matches(y, ref, amp=False):
+    assert y.shape == ref.shape
+    assert y.dtype == ref.dtype
+    assert y.stride() == ref.stride(), "output strides must be eager's"
+    scale = ref.float().abs().max().item() or 1.0
+    if amp:
+        torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2 * scale)
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_registered_by_name():
+    assert "cpu_layout" in torch._dynamo.list_backends()
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("name", list(models.MODELS))
+def test_builtin_models_static(name, amp, compiled_graphs):
+    model, x = models.build(name)
+    _, y, ref = run_both(model, x, amp=amp)
+    assert_matches(y, ref, amp)
+    assert len(compiled_graphs) == 1, "one graph, no breaks"
+    g = compiled_graphs[0].cpu_layout_graph
+    assert g.convs(), "convolutions ran on cpu_layout's oneDNN path"
+    assert not [n for n in g.nodes if isinstance(n, ir.Aten) and
+                n.target is torch.ops.aten.convolution.default], "no conv fell back to ATen"
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_maml_dynamic_two_batch_sizes_without_recompiling(amp, in_format, compiled_graphs):
+    # The configuration that crashed Inductor: [s0,1,28,28] with stride
+    # [784,784,28,1], AMP, dynamic shapes.
+    model, x = models.build("maml_omniglot")
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    x = x.contiguous(memory_format=fmt)
+    fn, y, ref = run_both(model, x, amp=amp, dynamic=True)
+    assert_matches(y, ref, amp)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        for n in (3, 8):
+            x2 = torch.randn(n, 1, 28, 28).contiguous(memory_format=fmt)
+            assert_matches(fn(x2), model(x2), amp)
+    assert len(compiled_graphs) == 1, "a new batch size must not recompile"
+
+
+def test_resnet_dynamic_batch(compiled_graphs):
+    model, x = models.build("resnet18", batch_size=2)
+    fn, y, ref = run_both(model, x, dynamic=True)
+    assert_matches(y, ref)
+    x2 = torch.randn(3, 3, 64, 64)
+    assert_matches(fn(x2), model(x2))
+    assert len(compiled_graphs) == 1
+
+
+def test_residual_epilogue_and_batchnorm_are_fused(compiled_graphs):
+    model, x = models.build("resnet18")
+    run_both(model, x)
+    g = compiled_graphs[0].cpu_layout_graph
+    convs = g.convs()
+    assert all(c.bn is not None for c in convs), "every conv+BN pair is folded"
+    adds = [c for c in convs if any(isinstance(p, tuple) and p[0] == "add" for p in c.post_ops)]
+    assert len(adds) == 8, "each basic block's residual add (and its ReLU) is a post-op"
+    assert all(c.post_ops[-1] == "relu" for c in adds)
+
+
+class ConvFlattenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, 2, 1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.relu(self.conv(x)), 1))
+
+
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_conv_flatten_linear(in_format):
+    model = ConvFlattenLinear().eval()
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 3, 16, 16).contiguous(memory_format=fmt)
+    _, y, ref = run_both(model, x)
+    assert_matches(y, ref)
+
+
+class UnsupportedInTheMiddle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.a(x))
+        y = torch.cumsum(y, dim=3)  # no native lowering: runs as the ATen op
+        return self.b(y)
+
+
+def test_unsupported_op_falls_back_to_aten_inside_the_graph(compiled_graphs):
+    model = UnsupportedInTheMiddle().eval()
+    x = torch.randn(2, 3, 12, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no whole-graph fallback
+        _, y, ref = run_both(model, x)
+    assert_matches(y, ref)
+    g = compiled_graphs[0].cpu_layout_graph
+    assert [n for n in g.nodes if isinstance(n, ir.Aten) and n.target is torch.ops.aten.cumsum.default]
+    assert len(g.convs()) == 2
+
+
+def test_graph_that_cannot_compile_runs_eagerly_with_one_warning(monkeypatch):
+    monkeypatch.delenv("CPU_LAYOUT_STRICT")
+
+    def broken(*a, **k):
+        raise NotImplementedError("lowering exploded")
+
+    monkeypatch.setattr(backend, "compile_graph", broken)
+    backend._fallback_warning.cache_clear()
+    model = ConvFlattenLinear().eval()
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.warns(RuntimeWarning, match="lowering exploded") as rec:
+        fn = torch.compile(model, backend="cpu_layout")
+        y = fn(x)
+        fn(x)
+    assert len([w for w in rec if "cpu_layout" in str(w.message)]) == 1
+    assert_matches(y, model(x))
+
+
+def test_strict_mode_turns_the_fallback_into_an_error(monkeypatch):
+    def broken(*a, **k):
+        raise NotImplementedError("lowering exploded")
+
+    monkeypatch.setattr(backend, "compile_graph", broken)
+    fn = torch.compile(ConvFlattenLinear().eval(), backend="cpu_layout")
+    with pytest.raises(Exception, match="lowering exploded"):
+        fn(torch.randn(2, 3, 16, 16))
+
+
+def test_unknown_option_is_refused():
+    fn = torch.compile(ConvFlattenLinear().eval(), backend="cpu_layout", options={"freezing": True})
+    with pytest.raises(Exception, match="unknown options"):
+        fn(torch.randn(2, 3, 16, 16))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_load_state_dict_and_in_place_updates_after_compile(amp):
+    model, x = models.build("resnet18", batch_size=2)
+    fn, y, ref = run_both(model, x, amp=amp)
+    assert_matches(y, ref, amp)
+    other, _ = models.build("resnet18", seed=7)
+    model.load_state_dict(other.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        assert_matches(fn(x), other(x), amp)
+        bn = model.stem[0][1]
+        bn.running_var.mul_(4.0)  # folded into the stem conv: must be refolded
+        model.layers[0].a[0].weight.mul_(-1.0)
+        assert_matches(fn(x), model(x), amp)
+
+
+def test_training_graph_is_not_compiled():
+    model = ConvFlattenLinear()  # parameters require grad
+    x = torch.randn(2, 3, 16, 16)
+    with torch.enable_grad():
+        backend._fallback_warning.cache_clear()
+        with pytest.raises(Exception, match="training graphs are not supported"):
+            torch.compile(model, backend="cpu_layout")(x)
+
+
+class Conv1dNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 16, 5, padding=2)
+        self.bn = nn.BatchNorm1d(16)
+        self.c2 = nn.Conv1d(16, 8, 3, stride=2)
+
+    def forward(self, x):
+        return self.c2(F.gelu(self.bn(self.c1(x))))
+
+
+def test_conv1d_net():
+    model = Conv1dNet().eval()
+    x = torch.randn(3, 4, 40)
+    _, y, ref = run_both(model, x)
+    assert_matches(y, ref)

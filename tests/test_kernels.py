@@ -1,0 +1,504 @@
+"""Generated pointwise and reduction kernels against eager PyTorch.
+
+Tolerances: float32 arithmetic (add/sub/mul/div, comparisons, min/max/clamp family, relu,
+hardswish...) must match eager bit for bit (the build uses -ffp-contract=off). Ops that call libm
+(exp, log, pow, tanh, sigmoid, silu, gelu) differ from eager's Sleef by a few ulp, and so does
+sqrt/rsqrt (ours is the correctly rounded one): rtol 1e-5,
+atol 1e-6. bfloat16 outputs are compared with eager computing in float32 and rounding once:
+exact for the bit-exact ops, within 1 bf16 ulp for the libm ones. Reductions sum in a different
+order than eager: rtol 1e-5 / atol 1e-5 (float32), 1 ulp (bfloat16).
+"""
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpu_layout import build
+from cpu_layout.codegen import Const, Load, Op, PointwiseKernel, ReductionKernel
+
+f32, bf16 = torch.float32, torch.bfloat16
+X, Y, Z = Load(0), Load(1), Load(2)
+
+
+def op(name, *args, params=()):
+    return Op(name, args, params)
+
+
+# ---------------------------------------------------------------- op table: (expr, eager ref)
+UNARY = {
+    "neg": (op("neg", X), torch.neg),
+    "abs": (op("abs", X), torch.abs),
+    "exp": (op("exp", X), torch.exp),
+    "log": (op("log", X), torch.log),
+    "sqrt": (op("sqrt", X), torch.sqrt),
+    "rsqrt": (op("rsqrt", X), torch.rsqrt),
+    "reciprocal": (op("reciprocal", X), torch.reciprocal),
+    "relu": (op("relu", X), torch.relu),
+    "sigmoid": (op("sigmoid", X), torch.sigmoid),
+    "tanh": (op("tanh", X), torch.tanh),
+    "silu": (op("silu", X), F.silu),
+    "gelu": (op("gelu", X), F.gelu),
+    "gelu_tanh": (op("gelu", X, params=("tanh",)), lambda x: F.gelu(x, approximate="tanh")),
+    "hardswish": (op("hardswish", X), F.hardswish),
+    "hardsigmoid": (op("hardsigmoid", X), F.hardsigmoid),
+    "relu6": (op("relu6", X), F.relu6),
+    "leaky_relu": (op("leaky_relu", X, params=(0.2,)), lambda x: F.leaky_relu(x, 0.2)),
+    "leaky_relu_default": (op("leaky_relu", X), F.leaky_relu),
+    "clamp": (op("clamp", X, params=(-1.0, 0.5)), lambda x: x.clamp(-1.0, 0.5)),
+    "clamp_min": (op("clamp", X, params=(-0.5, None)), lambda x: x.clamp(min=-0.5)),
+    "clamp_max": (op("clamp", X, params=(None, 0.25)), lambda x: x.clamp(max=0.25)),
+}
+for e in (2.0, 3.0, 0.5, -0.5, -1.0, -2.0, 2.5, 0.0, 1.0):
+    UNARY[f"pow{e}"] = (op("pow", X, params=(e,)), lambda x, e=e: torch.pow(x, e))
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "maximum": torch.maximum, "minimum": torch.minimum,
+    "gt": lambda a, b: (a > b).float(), "lt": lambda a, b: (a < b).float(),
+    "ge": lambda a, b: (a >= b).float(), "le": lambda a, b: (a <= b).float(),
+    "eq": lambda a, b: (a == b).float(),
+}
+ALL = dict(UNARY)
+ALL.update({n: (op(n, X, Y), f) for n, f in BINARY.items()})
+ALL["where"] = (op("where", Z, X, Y), lambda x, y, z: torch.where(z != 0, x, y))
+ALL["add_const"] = (op("add", X, Const(0.1)), lambda x: x + 0.1)
+# (not `-3.0 / x`: eager's __rtruediv__ is reciprocal(x) * -3, two roundings)
+ALL["const_div"] = (op("div", Const(-3.0), X), lambda x: torch.full_like(x, -3.0) / x)
+# Not bit-exact vs eager: libm vs Sleef/MKL. (Ours sqrt is correctly rounded; eager's is not.)
+LIBM = {"exp", "log", "sigmoid", "tanh", "silu", "gelu", "gelu_tanh", "pow2.5", "sqrt", "rsqrt",
+        "pow0.5", "pow-0.5"}
+NAMES = list(ALL)
+
+
+def eager(name, x, y, z):
+    fn = ALL[name][1]
+    if name == "where":
+        return fn(x, y, z)
+    return fn(x, y) if name in BINARY else fn(x)
+
+
+def kernel_for(dtype):
+    return PointwiseKernel([dtype] * 3, [(ALL[n][0], dtype) for n in NAMES], 1)
+
+
+ALL_F32, ALL_BF16 = kernel_for(f32), kernel_for(bf16)
+CHAIN = op("relu", op("add", op("mul", X, Y), Z))  # relu(x * scale + bias)
+CHAIN4 = {dt: PointwiseKernel([dt] * 3, [(CHAIN, dt)], 4) for dt in (f32, bf16)}
+CHAIN_ND = {nd: PointwiseKernel([f32] * 3, [(CHAIN, f32)], nd) for nd in (0, 1, 3, 5)}
+MULTI = PointwiseKernel([f32, bf16], [(op("mul", X, Y), f32), (op("add", op("relu", X), Y), bf16),
+                                     (op("sigmoid", Y), bf16)], 4)
+
+
+def chain_ref(x, s, b):
+    return torch.relu(x * s + b)
+
+
+def mean_hw(keepdim, dt=f32, out=f32):
+    return ReductionKernel(dt, X, "mean", 4, (2, 3), keepdim, out_dtype=out)
+
+
+RED = {
+    "mean_keep": mean_hw(True), "mean": mean_hw(False),
+    "sum_last": ReductionKernel(f32, X, "sum", 3, (-1,), False),
+    "sum_first": ReductionKernel(f32, X, "sum", 3, (0,), True),
+    "amax": ReductionKernel(f32, X, "amax", 4, (1, 3), False),
+    "amin": ReductionKernel(f32, X, "amin", 4, (2, 3), True),
+    "sum_all": ReductionKernel(f32, X, "sum", 4, (0, 1, 2, 3), False),
+    "bf16_keep": mean_hw(True, bf16, bf16), "bf16_f32": mean_hw(False, bf16, f32),
+    # squeeze-excite: sigmoid(mean(x * y)) with a broadcast second input
+    "se": ReductionKernel([f32, bf16], op("mul", X, Y), "mean", 4, (2, 3), True,
+                          out_dtype=bf16, epilogue=op("sigmoid", X)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """One cache dir for the module; every kernel above compiled up front, in parallel."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPU_LAYOUT_CACHE_DIR", str(tmp_path_factory.mktemp("kernel_cache")))
+        kernels = [ALL_F32, ALL_BF16, MULTI, *CHAIN4.values(), *CHAIN_ND.values(), *RED.values()]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            list(pool.map(lambda k: k.compile(), kernels))
+        yield
+
+
+@pytest.fixture
+def threads():
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)
+
+
+def special_values(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 3
+    x[:12] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 100.0,
+                           -100.0, 1.0, -1.0, 3.0, -3.0, 1e-30])
+    return x
+
+
+def inputs_for_ops(dtype):
+    x = special_values(4096, 0)
+    y = special_values(4096, 1).roll(5)
+    z = torch.randint(0, 2, (4096,)).float()
+    z[::7] = float("nan")
+    y[::11] = x[::11]  # equal pairs for eq/ge/le
+    return [t.to(dtype) for t in (x, y, z)]
+
+
+@pytest.fixture(scope="module")
+def op_results():
+    out = {}
+    for dt, k in ((f32, ALL_F32), (bf16, ALL_BF16)):
+        ins = inputs_for_ops(dt)
+        outs = [torch.empty(4096, dtype=dt) for _ in NAMES]
+        k.compile()((4096,), ins, outs)
+        out[dt] = (ins, dict(zip(NAMES, outs)))
+    return out
+
+
+def ordered(bits):
+    b = bits.view(torch.int16).to(torch.int32)
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_op_float32(op_results, name):
+    (x, y, z), outs = op_results[f32]
+    ref = eager(name, x, y, z)
+    if name in LIBM:
+        torch.testing.assert_close(outs[name], ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    else:
+        torch.testing.assert_close(outs[name], ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_op_bfloat16(op_results, name):
+    (x, y, z), outs = op_results[bf16]
+    got = outs[name]
+    ref = eager(name, x.float(), y.float(), z.float()).to(bf16)
+    assert torch.equal(got.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    ulps = (ordered(got[ok]) - ordered(ref[ok])).abs()
+    if name in LIBM:  # 1 ulp, or the float32 atol where cancellation leaves ~0 (gelu_tanh)
+        ulps[(got[ok].float() - ref[ok].float()).abs() <= 1e-6] = 0
+    worst = ulps.max().item()
+    assert worst <= (1 if name in LIBM else 0), f"{name}: {worst} bf16 ulp from eager"
+
+
+def test_bf16_store_rounds_to_nearest_even_and_keeps_nan():
+    k = PointwiseKernel([f32], [(X, bf16)], 1).compile()
+    # Halfway cases between bf16 neighbours, both parities, plus overflow and NaN payloads.
+    vals = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895e38, 1e-40,
+                         float("nan"), -float("nan"), float("inf")])
+    out = torch.empty(len(vals), dtype=bf16)
+    k((len(vals),), [vals], [out])
+    ref = vals.to(bf16)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+
+
+# ---------------------------------------------------------------- layouts and broadcasting
+def nchw(*shape, dtype=f32, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+LAYOUTS = {
+    "contiguous": lambda t: t.contiguous(),
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "transposed": lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),
+    "sliced": lambda t: torch.cat([t, t], 3)[..., ::2],
+    "permuted": lambda t: t.permute(2, 0, 3, 1).contiguous().permute(1, 3, 0, 2),
+}
+
+
+def empty_like_layout(t, layout):
+    return LAYOUTS[layout](torch.empty_like(t, memory_format=torch.contiguous_format))
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("in_layout", list(LAYOUTS))
+@pytest.mark.parametrize("out_layout", ["contiguous", "channels_last", "sliced"])
+def test_chain_layouts_with_channel_broadcast(dtype, in_layout, out_layout):
+    x = LAYOUTS[in_layout](nchw(2, 16, 5, 7, dtype=dtype))
+    s, b = nchw(1, 16, 1, 1, dtype=dtype, seed=1), nchw(16, 1, 1, dtype=dtype, seed=2)
+    out = empty_like_layout(x, out_layout)
+    CHAIN4[dtype].compile()(x.shape, [x, s, b], [out])
+    ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
+    assert torch.equal(out, ref)  # one rounding, no FMA: bit-exact
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_squeeze_excite_broadcast(layout):
+    x = LAYOUTS[layout](nchw(2, 8, 6, 6))
+    se = nchw(2, 8, 1, 1, seed=3)
+    zero = torch.zeros(())
+    out = empty_like_layout(x, layout)
+    CHAIN4[f32].compile()(x.shape, [se, x, zero], [out])  # relu(se * x + 0)
+    assert torch.equal(out, torch.relu(se * x + zero))
+    assert out.stride() == x.stride()
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 4, 5), (2, 1, 4, 5), (2, 3, 1, 5), (2, 3, 4, 1),
+                                   (1, 1, 1, 1), (3, 1, 1, 7), (0, 3, 4, 5)])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "weird_size1_strides"])
+def test_size_one_dims_everywhere(shape, layout):
+    base = nchw(*shape)
+    if layout == "weird_size1_strides":  # size-1 dims with arbitrary strides (as slicing gives)
+        st = [97 if n == 1 else s for n, s in zip(shape, base.stride())]
+        x = torch.empty(4000).as_strided(shape, st).copy_(base)
+    else:
+        x = LAYOUTS[layout](base)
+    s = nchw(shape[0], 1, shape[2], 1, seed=4)  # broadcast in two dims
+    b = nchw(shape[-1], seed=5)  # lower rank, right-aligned
+    out = torch.empty(shape).contiguous(memory_format=torch.channels_last)
+    CHAIN4[f32].compile()(shape, [x, s, b], [out])
+    assert torch.equal(out, chain_ref(x, s, b))
+
+
+def test_0d_1d_5d():
+    a, b, c = torch.tensor(1.5), torch.tensor(-2.0), torch.tensor(0.25)
+    out = torch.empty(())
+    CHAIN_ND[0].compile()((), [a, b, c], [out])
+    assert out.item() == chain_ref(a, b, c).item()
+
+    x = torch.randn(2001)[::2]  # strided 1-d
+    out = torch.empty(1001)
+    CHAIN_ND[1].compile()((1001,), [x, torch.tensor(3.0), x], [out])
+    assert torch.equal(out, chain_ref(x, torch.tensor(3.0), x))
+
+    x = torch.randn(2, 6, 3, 4, 5).contiguous(memory_format=torch.channels_last_3d)
+    s = torch.randn(1, 6, 1, 1, 1)
+    y = torch.randn(2, 6, 5, 4, 3).transpose(2, 4)
+    out = torch.empty(2, 6, 3, 4, 5)
+    CHAIN_ND[5].compile()(x.shape, [x, s, y], [out])
+    assert torch.equal(out, chain_ref(x, s, y))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed", "sliced"])
+def test_in_place(layout):
+    x = LAYOUTS[layout](nchw(2, 8, 9, 11))
+    s, b = nchw(1, 8, 1, 1, seed=1), nchw(1, 8, 1, 1, seed=2)
+    ref = chain_ref(x, s, b)
+    CHAIN4[f32].compile()(x.shape, [x, s, b], [x])
+    assert torch.equal(x, ref)
+
+
+def test_multiple_outputs_different_dtypes_and_layouts():
+    x = nchw(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    y = nchw(1, 8, 1, 5, dtype=bf16, seed=1)
+    o1 = torch.empty(2, 8, 5, 5)
+    o2 = torch.empty(2, 8, 5, 5, dtype=bf16).contiguous(memory_format=torch.channels_last)
+    o3 = torch.empty(5, 8, 5, 2, dtype=bf16).transpose(0, 3)
+    MULTI.compile()(x.shape, [x, y], [o1, o2, o3])
+    yf = y.float()
+    assert torch.equal(o1, x * yf)
+    assert torch.equal(o2, (torch.relu(x) + yf).to(bf16))
+    ulps = (ordered(o3) - ordered(torch.sigmoid(yf).expand(2, 8, 5, 5).to(bf16))).abs().max()
+    assert ulps <= 1
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_large_parallel_path_matches_single_thread(threads, dtype, layout):
+    x = LAYOUTS[layout](nchw(4, 32, 40, 40, dtype=dtype))  # 204800 elements > threshold
+    s, b = nchw(1, 32, 1, 1, dtype=dtype, seed=1), nchw(1, 32, 1, 1, dtype=dtype, seed=2)
+    run = CHAIN4[dtype].compile()
+    ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
+    for n in (2, 1):
+        threads(n)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        run(x.shape, [x, s, b], [out])
+        assert torch.equal(out, ref), f"{n} threads"
+
+
+def test_broadcast_buffers_across_partial_tiles(threads):
+    # Rows of 100 go 5 to a tile, so each 7-row plane ends in a 2-row tile; with 2 threads the
+    # second starts on such a tile and then needs the scalar's buffer for 5 rows.
+    threads(2)
+    x = nchw(25, 7, 100)
+    s, b = torch.tensor(2.0), nchw(100, seed=1)
+    out = torch.empty(25, 8, 200)[:, :7, :100]
+    CHAIN_ND[3].compile()(x.shape, [x, s, b], [out])
+    assert torch.equal(out, chain_ref(x, s, b))
+
+
+def test_one_kernel_serves_shapes_and_strides_without_recompiling():
+    run = CHAIN4[f32].compile()
+    before = build.stats["compiles"]
+    for shape, layout in (((2, 3, 4, 5), "contiguous"), ((7, 1, 9, 2), "channels_last"),
+                          ((1, 33, 17, 3), "sliced")):
+        x = LAYOUTS[layout](nchw(*shape))
+        s = nchw(1, shape[1], 1, 1, seed=1)
+        out = torch.empty(shape)
+        run(shape, [x, s, s], [out])
+        assert torch.equal(out, chain_ref(x, s, s))
+    again = PointwiseKernel([f32] * 3, [(CHAIN, f32)], 4)  # structurally equal: same library
+    assert again.source() == CHAIN4[f32].source()
+    assert again.compile().library is run.library
+    assert build.stats["compiles"] == before
+
+
+# ---------------------------------------------------------------- expressions
+def test_expressions_are_structural_values():
+    a = op("add", op("mul", X, Const(2.0)), Load(1))
+    b = op("add", op("mul", Load(0), Const(2)), Y)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert Const(0.0) != Const(-0.0) and Const(float("nan")) == Const(float("nan"))
+    assert op("gelu", X) == op("gelu", X, params=("none",)) != op("gelu", X, params=("tanh",))
+    k1 = PointwiseKernel([f32, f32], [(a, f32)], 2)
+    k2 = PointwiseKernel([f32, f32], [(b, f32)], 2)
+    assert k1.source() == k2.source() and k1.name == k2.name
+    assert "add(mul(in0, 2.0), in1)" in k1.describe()
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: Op("softmax", (X,)), lambda: Op("add", (X,)), lambda: Op("gelu", (X,), ("fast",)),
+    lambda: Op("clamp", (X,), (1.0,)), lambda: Load(-1), lambda: Op("neg", (3.0,)),
+    lambda: PointwiseKernel([f32], [(Load(1), f32)], 1),
+    lambda: PointwiseKernel([torch.float16], [(X, f32)], 1),
+    lambda: PointwiseKernel([f32], [], 1),
+    lambda: PointwiseKernel([f32], [("x", f32)], 1),
+    lambda: ReductionKernel(f32, X, "prod", 2, (0,)),
+    lambda: ReductionKernel(f32, X, "sum", 2, (2,)),
+    lambda: ReductionKernel(f32, X, "sum", 2, (0,), epilogue=Load(1)),
+])
+def test_invalid_construction_raises_value_error(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+# ---------------------------------------------------------------- bad input at run time
+def test_bad_run_arguments_raise_value_error():
+    run = CHAIN4[f32].compile()
+    x, s = torch.randn(2, 3, 4, 5), torch.randn(1, 3, 1, 1)
+    out = torch.empty(2, 3, 4, 5)
+    cases = [
+        (lambda: run(x.shape, [x, s], [out]), "expected 3 input"),
+        (lambda: run(x.shape, [x, s, s], []), "expected 3 input and 1 output"),
+        (lambda: run(x.shape, [x, s, s.double()], [out]), "input 2 has dtype torch.float64"),
+        (lambda: run(x.shape, [x, s, s], [out.to(bf16)]), "output 0 has dtype"),
+        (lambda: run(x.shape, [x, torch.randn(1, 4, 1, 1), s], [out]), "does not broadcast"),
+        (lambda: run(x.shape, [x, s, s], [torch.empty(2, 3, 4, 6)]), "output 0 has shape"),
+        (lambda: run((2, 3, 4), [x, s, s], [out]), "sizes must have 4"),
+        (lambda: run((2, 3, 4, -5), [x, s, s], [out]), "non-negative"),
+        (lambda: run((2, 3, 4, "5"), [x, s, s], [out]), "non-negative ints"),
+        (lambda: run(x.shape, [x, s, torch.randn(1, 2, 3, 4, 5)], [out]), "more than"),
+        (lambda: run(x.shape, [x, s, 1.0], [out]), "not a tensor"),
+        (lambda: run(x.shape, [x, s, s], [torch.empty(1, 3, 4, 5).expand(2, 3, 4, 5)]),
+         "broadcast"),
+        # output on the input's memory with other strides: not in place, a race
+        (lambda: run(x.shape, [x, s, s], [x.as_strided(x.shape, (60, 20, 1, 4))]),
+         "overlaps input 0"),
+    ]
+    for case, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            case()
+    two = MULTI.compile()
+    o = torch.empty(2, 8, 5, 5)
+    with pytest.raises(ValueError, match="overlap"):
+        two(o.shape, [torch.randn(2, 8, 5, 5), torch.randn(1, 8, 1, 5).to(bf16)],
+            [o, torch.empty(2, 8, 5, 5, dtype=bf16), o.view(bf16)[..., :5]])
+    red = RED["mean"].compile()
+    with pytest.raises(ValueError, match="shape"):
+        red(x.shape, [x], [torch.empty(2, 3, 1, 1)])
+    with pytest.raises(ValueError):
+        RED["amax"].compile()((2, 0, 4, 5), [torch.empty(2, 0, 4, 5)], [torch.empty(2, 4)])
+
+
+# ---------------------------------------------------------------- reductions
+RED_CASES = {
+    "mean_keep": lambda x: x.mean((2, 3), keepdim=True),
+    "mean": lambda x: x.mean((2, 3)),
+    "amax": lambda x: x.amax((1, 3)),
+    "amin": lambda x: x.amin((2, 3), keepdim=True),
+    "sum_all": lambda x: x.sum(),
+}
+
+
+def run_red(name, x, *extra):
+    k = RED[name]
+    out = torch.empty(k.output_shape(x.shape), dtype=k.out_dtype)
+    k.compile()(x.shape, [x, *extra], [out])
+    return out
+
+
+@pytest.mark.parametrize("name", list(RED_CASES))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_reductions_float32(name, layout):
+    x = LAYOUTS[layout](nchw(3, 40, 9, 10))
+    x[0, 0, 0, 0] = 100.0
+    torch.testing.assert_close(run_red(name, x), RED_CASES[name](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_amax_amin_propagate_nan(layout):
+    x = LAYOUTS[layout](nchw(2, 4, 3, 5))
+    x[1, 2, 1, 3] = float("nan")
+    torch.testing.assert_close(run_red("amax", x), x.amax((1, 3)), equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(run_red("amin", x), x.amin((2, 3), keepdim=True), equal_nan=True,
+                               rtol=0, atol=0)
+
+
+def test_sum_last_and_first_dims():
+    x = torch.randn(5, 7, 300)
+    torch.testing.assert_close(run_red("sum_last", x), x.sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run_red("sum_first", x), x.sum(0, keepdim=True), rtol=1e-5,
+                               atol=1e-5)
+    xt = torch.randn(300, 7, 5).transpose(0, 2)  # reduced dim strided
+    torch.testing.assert_close(run_red("sum_last", xt), xt.sum(-1), rtol=1e-5, atol=1e-5)
+    e = torch.empty(4, 0, 3)
+    assert torch.equal(run_red("sum_first", e), torch.zeros(1, 0, 3))
+    e = torch.empty(0, 2, 3)
+    assert torch.equal(run_red("sum_first", e), torch.zeros(1, 2, 3))
+    assert run_red("mean", torch.empty(2, 3, 0, 4)).isnan().all()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("name", ["bf16_keep", "bf16_f32"])
+def test_reductions_bfloat16(name, layout):
+    x = LAYOUTS[layout](nchw(2, 24, 14, 14, dtype=bf16))
+    got = run_red(name, x)
+    ref = x.float().mean((2, 3), keepdim=name == "bf16_keep")
+    if got.dtype == f32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert (ordered(got) - ordered(ref.to(bf16))).abs().max() <= 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_squeeze_excite_prologue_epilogue(layout):
+    x = LAYOUTS[layout](nchw(2, 24, 7, 7))
+    w = nchw(1, 24, 1, 7, dtype=bf16, seed=2)
+    got = run_red("se", x, w)
+    ref = torch.sigmoid((x * w.float()).mean((2, 3), keepdim=True))
+    assert got.dtype == bf16 and got.shape == (2, 24, 1, 1)
+    assert (ordered(got) - ordered(ref.to(bf16))).abs().max() <= 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_large_reduction_is_thread_count_independent(threads, layout):
+    x = LAYOUTS[layout](nchw(4, 64, 32, 32))
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(run_red("mean_keep", x))
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], x.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-6)
+    threads(2)
+    one = LAYOUTS[layout](nchw(1, 64, 56, 56))  # few outputs: narrower blocks, still correct
+    torch.testing.assert_close(run_red("mean", one), one.mean((2, 3)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils")
+def test_generated_code_needs_no_openmp_newer_than_torchs_libgomp():
+    # torch's bundled libgomp stops at GOMP_5.0; a newer symbol would fail to load in torch.
+    for k in (CHAIN4[bf16], RED["se"], RED["mean_keep"]):
+        syms = subprocess.run(["objdump", "-T", k.compile().library.path], capture_output=True,
+                              text=True, check=True).stdout
+        versions = {tuple(map(int, v.split("."))) for v in re.findall(r"\(G?OMP_([\d.]+)\)", syms)}
+        assert versions and max(versions) <= (5, 0), versions
