@@ -1,13 +1,19 @@
-"""Fusion: fold what follows a convolution into its oneDNN call.
+"""Fusion: fewer passes over memory.
 
-A conv whose only user is an activation or a same-size residual add takes
-that op as a post-op (up to the extension's limit), so the activation and
-the add never make a pass over memory of their own. The conv moves to the
-add's position in the schedule, where its residual already exists.
+Conv epilogues (before planning): a conv whose only user is an activation or
+a same-size residual add takes that op as a oneDNN post-op (up to the
+extension's limit); the conv moves to the add's position in the schedule,
+where its residual already exists.
+
+Element-wise chains (after planning, so each group's output layout is
+known): a pointwise node whose only user is a pointwise node of the same
+size joins that user's group; each group becomes one `ir.Kernel`, a single
+generated loop that keeps intermediates in registers.
 """
 from __future__ import annotations
 
 from cpu_layout import ir
+from cpu_layout.codegen import expr as E
 
 MAX_POST_OPS = 8
 
@@ -70,3 +76,77 @@ def fuse_conv_epilogues(g: ir.Graph) -> int:
             user.out.producer = conv
             fused += 1
     return fused
+
+
+def _expr(node: ir.Pointwise, env):
+    """The codegen expression of one pointwise node, or None if codegen lacks the op."""
+    args = []
+    for a in node.args:
+        if isinstance(a, ir.Buffer):
+            args.append(env[a])
+        elif isinstance(a, (bool, int, float)):
+            args.append(E.Const(float(a)))
+        else:
+            return None
+    op, p = node.op, node.params
+    if op == "to":
+        return args[0]  # the kernel loads and stores in each buffer's own dtype
+    if op not in E.OPS or E.OPS[op][0] != len(args):
+        return None
+    if op == "gelu":
+        return E.Op("gelu", tuple(args), (p[0] if p else "none",))
+    if op == "clamp":
+        lo, hi = p
+        return E.Op("clamp", tuple(args), (None if lo is None else float(lo), None if hi is None else float(hi)))
+    if op == "leaky_relu":
+        return E.Op("leaky_relu", tuple(args), (float(p[0]),))
+    return E.Op(op, tuple(args))
+
+
+def _kernelizable(n: ir.Node) -> bool:
+    if not isinstance(n, ir.Pointwise) or not n.out.is_tensor:
+        return False
+    probe = {b: E.Load(0) for b in n.inputs}
+    return _expr(n, probe) is not None
+
+
+def fuse_pointwise(g: ir.Graph) -> int:
+    """Replace element-wise chains by `ir.Kernel` nodes; returns how many kernels."""
+    outputs = set(ir.values_of(g.output.values)) if g.output is not None else set()
+    group = {}
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for n in reversed(g.nodes):
+        if not _kernelizable(n):
+            continue
+        users = n.out.users
+        u = users[0] if len(users) == 1 else None
+        if (u is not None and u in group and n.out not in outputs and u.out.size == n.out.size
+                and n.out.layout == u.out.layout):
+            group[n] = group[u]
+        else:
+            group[n] = n  # the root: its output is the group's output
+    members = {}
+    for n, root in group.items():
+        members.setdefault(root, []).append(n)
+    for root, ms in members.items():
+        ms.sort(key=order.__getitem__)
+        inside = {m.out for m in ms}
+        inputs = []
+        for m in ms:
+            for b in m.inputs:
+                if b.is_tensor and b not in inside and b not in inputs:
+                    inputs.append(b)
+        env = {b: E.Load(i) for i, b in enumerate(inputs)}
+        for m in ms:
+            env[m.out] = _expr(m, env)
+        k = ir.Kernel(f"kernel_{root.name}", inputs, root.out, expr=env[root.out], members=len(ms))
+        pos = g.nodes.index(root)
+        for m in ms:
+            g.remove(m)
+            if m is not root:
+                g.buffers.pop(m.out.name, None)
+        g.nodes.insert(pos - (len(ms) - 1), k)
+        for b in inputs:
+            b.users.append(k)
+        root.out.producer = k
+    return len(members)

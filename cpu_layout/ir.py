@@ -117,6 +117,16 @@ class Pointwise(Node):
 
 
 @dataclass(eq=False)
+class Kernel(Node):
+    """A fused group of element-wise nodes: one generated OpenMP C++ loop.
+    `expr` (a codegen.expr tree) reads `inputs[i]` as Load(i)."""
+
+    expr: Any = None
+    members: int = 1  # how many IR nodes it replaced
+    rule: str = FREE
+
+
+@dataclass(eq=False)
 class Aten(Node):
     """An ATen call: `args`/`kwargs` hold Buffers where the FX graph had nodes."""
 

@@ -120,6 +120,41 @@ class ConvCall:
                         post, self.out_layout)
 
 
+def empty_in_order(size, dtype, order: str) -> torch.Tensor:
+    if order == L.CHANNELS_LAST and len(size) in (4, 5):
+        fmt = torch.channels_last if len(size) == 4 else torch.channels_last_3d
+        return torch.empty(size, dtype=dtype, memory_format=fmt)
+    return torch.empty(size, dtype=dtype)
+
+
+class KernelCall:
+    """A fused element-wise kernel: output allocated in the planned layout,
+    sizes taken from the inputs at run time (one kernel serves every shape)."""
+
+    def __init__(self, compiled, out_dtype, order: str, ndim: int):
+        from cpu_layout.codegen.cpp_kernels import _broadcast_strides
+
+        self.compiled = compiled
+        self.out_dtype = out_dtype
+        self.order = order
+        self.ndim = ndim
+        self._bstrides = _broadcast_strides
+
+    def __call__(self, *inputs):
+        sizes = tuple(torch.broadcast_shapes(*[t.shape for t in inputs]))
+        if len(sizes) < self.ndim:
+            sizes = (1,) * (self.ndim - len(sizes)) + sizes
+        out = empty_in_order(sizes, self.out_dtype, self.order)
+        strides = []
+        for t in inputs:
+            strides += self._bstrides(t, sizes, "input")
+        strides += list(out.stride())
+        # The output is fresh (no aliasing) and dtypes were fixed at compile
+        # time, so the checked entry point's validation is not needed.
+        self.compiled.call_unchecked(sizes, [*inputs, out], strides)
+        return out
+
+
 class AtenPointwise:
     """A pointwise node run by ATen (not yet fused into a kernel): the result
     is brought to the planned layout (ATen's own choice follows its inputs)."""

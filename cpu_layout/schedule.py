@@ -35,13 +35,27 @@ def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
             b.layout = src if b.rank in (4, 5) else (ir.EAGER if src == ir.EAGER else L.CONTIGUOUS)
 
 
-def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None) -> Dict[ir.Node, object]:
+def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
+                  kernels: bool = True) -> Dict[ir.Node, object]:
+    """Plan layouts, fuse element-wise chains into kernels, and bind every
+    node to what runs it. `kernels=False` keeps element-wise ops on ATen."""
+    from cpu_layout import fuse
+    from cpu_layout.codegen.cpp_kernels import PointwiseKernel, compile_many
+
     if choose is None:
         from cpu_layout.plan import ir_plan
 
         choose = ir_plan.planner_choice(g)
     _propagate(g, choose)
+    if kernels:
+        fuse.fuse_pointwise(g)
+    knodes = [n for n in g.nodes if isinstance(n, ir.Kernel)]
+    specs = [PointwiseKernel([b.dtype for b in n.inputs], [(n.expr, n.out.dtype)], n.out.rank)
+             for n in knodes]
+    compiled = compile_many(specs, name_hint=f"graph_{len(g.nodes)}") if specs else []
     runners: Dict[ir.Node, object] = {}
+    for n, c in zip(knodes, compiled):
+        runners[n] = runtime.KernelCall(c, n.out.dtype, n.out.layout, n.out.rank)
     for n in g.nodes:
         if isinstance(n, ir.Conv):
             runners[n] = runtime.ConvCall(n, n.out.layout)

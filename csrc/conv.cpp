@@ -218,6 +218,15 @@ dnnl::algorithm eltwise_alg(int kind, float &alpha, float &beta) {
 
 bool is_ref(const char *impl) { return std::strstr(impl, "ref") != nullptr; }
 
+// A kernel we accept without trying other formats first. oneDNN's
+// im2col+GEMM convolution applies post-ops in a slow separate pass (relu:
+// 6x, gelu: 40x the conv's own time on AVX2), so with post-ops it counts as
+// a last resort like a reference kernel.
+bool acceptable(const char *impl, const cl_conv_args &a) {
+    if (is_ref(impl)) return false;
+    return !(a.n_post_ops > 0 && std::strstr(impl, "gemm") != nullptr);
+}
+
 // Build the primitive descriptor for `compute` dtype; returns an empty pd when
 // oneDNN only has a reference kernel (or nothing) and `reject_ref` is set.
 // Build the primitive descriptor computing in `compute` with the given
@@ -282,8 +291,8 @@ dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt comp
             cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
             src_md, wei_md, dst_md, strides, dil, pl, pr, attr, true);
     if (!pd) return pd;
-    // Implementations come best first; skip reference kernels when asked.
-    while (reject_ref && is_ref(pd.impl_info_str())) {
+    // Implementations come best first; skip unacceptable ones when asked.
+    while (reject_ref && !acceptable(pd.impl_info_str(), a)) {
         if (!pd.next_impl()) return dnnl::convolution_forward::primitive_desc();
     }
     return pd;

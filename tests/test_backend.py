@@ -234,3 +234,30 @@ def test_conv1d_net():
     x = torch.randn(3, 4, 40)
     _, y, ref = run_both(model, x)
     assert_matches(y, ref)
+
+
+class PointwiseChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.scale = nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = torch.sigmoid(y * 0.5 + 1.0) * self.scale  # feeds from y, which is also used below
+        return torch.clamp(z - y, min=-0.3)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_elementwise_chain_becomes_one_generated_kernel(amp, in_format, compiled_graphs):
+    model = PointwiseChain().eval()
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 3, 10, 10).contiguous(memory_format=fmt)
+    _, y, ref = run_both(model, x, amp=amp)
+    assert_matches(y, ref, amp)
+    g = compiled_graphs[0].cpu_layout_graph
+    kernels = [n for n in g.nodes if isinstance(n, ir.Kernel)]
+    # mul, add, sigmoid, mul, sub, clamp: one loop (AMP adds cast kernels beside it).
+    assert max(k.members for k in kernels) == 6, g.dump()
+    assert not [n for n in g.nodes if isinstance(n, ir.Pointwise)], "nothing left on ATen"

@@ -816,3 +816,19 @@ class ReductionKernel(_Kernel):
 
 def _bad_dim(d, ndim):
     raise ValueError(f"reduce dim {d} out of range for ndim {ndim}")
+
+
+def compile_many(kernels, name_hint: str = "graph"):
+    """Compile several kernels into one shared library (one compiler run
+    instead of one per kernel: most of a graph's compile time otherwise).
+    Returns their runners in order; equal kernels share one symbol."""
+    unique = list(dict.fromkeys(kernels))
+    todo = [k for k in unique if k._compiled is None]
+    if todo:
+        source = "".join(k.source() for k in todo)
+        cdef = "\n".join(k.cdef() for k in todo)
+        lib = build.load_library(source, cdef, name_hint=name_hint)
+        for k in todo:
+            k._compiled = k._runner(k, lib)
+    by_key = {k: k._compiled for k in unique}
+    return [by_key[k] for k in kernels]
