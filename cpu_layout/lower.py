@@ -14,7 +14,7 @@ from typing import Dict, Iterable
 import torch
 from torch.fx import Node as FxNode
 
-from cpu_layout import ir
+from cpu_layout import ir, runtime
 
 aten = torch.ops.aten
 
@@ -146,7 +146,7 @@ class Lowering:
             and len([u for u in n.users if u.target is operator.getitem and u.args[1] != 0]) == 0
         )
         if not foldable:
-            return self._aten(n, ir.FOLLOW)
+            return self._batch_norm_pointwise(n)
         fold = ir.BatchNormFold(
             weight=self.env[w] if w is not None else None,
             bias=self.env[b] if b is not None else None,
@@ -157,6 +157,39 @@ class Lowering:
             conv.inputs.append(s)
             s.users.append(conv)
         return _Picked({0: xb})
+
+    def _batch_norm_pointwise(self, n: FxNode):
+        """Inference batch-norm not after a conv: x * scale + shift, with the
+        per-channel coefficients computed from module state (once, while it
+        is unchanged) and the affine part fused with its neighbours."""
+        x, w, b, mean, var, _momentum, eps = n.args
+        xv = self._val(x)
+        out_v = self._val(n)[0]
+        if xv.dtype not in _FLOAT or xv.dim() < 2:
+            return self._aten(n, ir.FOLLOW)
+        xb = self.env[x]
+        rank = xv.dim()
+        state = [self._arg(a) for a in (w, b, mean, var)]
+        c = xv.shape[1]
+        coeff = []
+        for fn in (runtime.bn_scale, runtime.bn_shift):
+            buf = self.g.new_buffer(size=(c,) + (1,) * (rank - 2), dtype=torch.float32,
+                                    eager_stride=(1,) * (rank - 1))
+            args = (*state, float(eps), rank)
+            node = ir.Aten(f"{n.name}_{fn.__name__}", ir.values_of(args), buf, rule=ir.EAGER,
+                           target=fn, args=args)
+            self.g.add(node)
+            buf.constant = all(isinstance(t, ir.Buffer) and t.constant for t in ir.values_of(args))
+            coeff.append(buf)
+        scaled = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
+        mul = ir.Pointwise(f"{n.name}_mul", [xb, coeff[0]], scaled, op="mul", args=[xb, coeff[0]])
+        mul.aten = (aten.mul.Tensor, (xb, coeff[0]), {})
+        self.g.add(mul)
+        out = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
+        add = ir.Pointwise(f"{n.name}_add", [scaled, coeff[1]], out, op="add", args=[scaled, coeff[1]])
+        add.aten = (aten.add.Tensor, (scaled, coeff[1]), {})
+        self.g.add(add)
+        return _Picked({0: out})
 
     def _pointwise(self, n: FxNode, op: str, args: list, params=()):
         v = self._val(n)

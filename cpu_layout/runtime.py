@@ -25,6 +25,22 @@ def to_order(x: torch.Tensor, order: str) -> torch.Tensor:
     return x
 
 
+def restride(x, order: str):
+    """Give a graph output exactly the strides eager would, including those of
+    size-1 dims (which `is_in_order` rightly ignores but users can see):
+    eager's output is dense in `order`, so torch's own formula gives them."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    want = L.strides_for_order(tuple(x.shape), order)
+    if tuple(x.stride()) == tuple(want):
+        return x
+    if not L.is_in_order(tuple(x.shape), tuple(x.stride()), order):
+        x = to_order(x, order)
+        if tuple(x.stride()) == tuple(want):
+            return x
+    return x.as_strided(x.shape, want)
+
+
 def check_layout(x, order: str, name: str, size_hint: Optional[Sequence] = None) -> None:
     """CPU_LAYOUT_DEBUG: the runtime produced the layout the plan promised."""
     if not isinstance(x, torch.Tensor) or order not in L.LABELS:
@@ -38,6 +54,24 @@ def check_layout(x, order: str, name: str, size_hint: Optional[Sequence] = None)
 
 def _key(t: Optional[torch.Tensor]):
     return None if t is None else (t.data_ptr(), t._version, t.dtype)
+
+
+def _bn_inv_std(w, var, eps):
+    inv = torch.rsqrt(var.float() + eps)
+    return inv * w.float() if w is not None else inv
+
+
+def bn_scale(w, b, mean, var, eps: float, rank: int) -> torch.Tensor:
+    """Per-channel multiplier of inference batch-norm, shaped to broadcast over [N, C, ...]."""
+    return _bn_inv_std(w, var, eps).reshape((-1,) + (1,) * (rank - 2)).contiguous()
+
+
+def bn_shift(w, b, mean, var, eps: float, rank: int) -> torch.Tensor:
+    """Per-channel offset of inference batch-norm: bias - mean * scale."""
+    shift = -mean.float() * _bn_inv_std(w, var, eps)
+    if b is not None:
+        shift = shift + b.float()
+    return shift.reshape((-1,) + (1,) * (rank - 2)).contiguous()
 
 
 class FoldedConvWeights:
@@ -159,9 +193,13 @@ class AtenPointwise:
     """A pointwise node run by ATen (not yet fused into a kernel): the result
     is brought to the planned layout (ATen's own choice follows its inputs)."""
 
-    def __init__(self, target, order: str):
+    def __init__(self, target, order: str, dtype=None):
         self.target = target
         self.order = order
+        self.dtype = dtype
 
     def __call__(self, *args, **kwargs):
-        return to_order(self.target(*args, **kwargs), self.order)
+        out = self.target(*args, **kwargs)
+        if self.dtype is not None and out.dtype != self.dtype:
+            out = out.to(self.dtype)  # e.g. bf16 batch-norm input times fp32 coefficients
+        return to_order(out, self.order)

@@ -60,7 +60,7 @@ def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None
         if isinstance(n, ir.Conv):
             runners[n] = runtime.ConvCall(n, n.out.layout)
         elif isinstance(n, ir.Pointwise):
-            runners[n] = runtime.AtenPointwise(n.aten[0], n.out.layout)
+            runners[n] = runtime.AtenPointwise(n.aten[0], n.out.layout, n.out.dtype)
         elif isinstance(n, ir.Aten):
             runners[n] = n.target
         if n in runners and n.out is not None and n.out.constant:

@@ -98,9 +98,11 @@ ffibuilder.set_source(
     include_dirs=[inc_dir, HERE],
     library_dirs=[lib_dir],
     libraries=libs + ["stdc++"],
-    extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
+    # -fopenmp: the dtype-cast loops; libgomp.so.1 resolves to torch's copy,
+    # which is loaded first (see cpu_layout/_native.py).
+    extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-fopenmp"],
     # site-packages/cpu_layout/_dnnl*.so -> <prefix>/lib holds libdnnl.so.3.
-    extra_link_args=extra_link + ["-Wl,-rpath,$ORIGIN/../../.."] + _build_rpath(lib_dir),
+    extra_link_args=extra_link + ["-fopenmp", "-Wl,-rpath,$ORIGIN/../../.."] + _build_rpath(lib_dir),
 )
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ struct ThreadBuffer {
 };
 thread_local ThreadBuffer t_scratch;
 thread_local ThreadBuffer t_temps;
+thread_local ThreadBuffer t_mid;
 
 struct Stats {
     std::atomic<long long> primitives_created{0}, primitive_cache_hits{0}, weight_reorders{0},
@@ -185,6 +186,101 @@ void validate(const cl_conv_args &a) {
     }
 }
 
+// ---- dtype casts: our own loops -------------------------------------------
+// oneDNN converts formats with fast JIT reorders, but on CPUs without bf16
+// instructions (AVX2) it converts bf16<->f32 with a generic scalar kernel
+// (~100 ns per element). These loops vectorise with plain SSE2/AVX2 integer ops.
+
+constexpr size_t kParallelCast = 1 << 15;
+
+void cast_bf16_to_f32(const uint16_t *in, float *out, size_t n) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelCast)
+    for (size_t i = 0; i < n; ++i) {
+        uint32_t u = static_cast<uint32_t>(in[i]) << 16;
+        std::memcpy(out + i, &u, 4);
+    }
+}
+
+void cast_f32_to_bf16(const float *in, uint16_t *out, size_t n) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelCast)
+    for (size_t i = 0; i < n; ++i) {
+        uint32_t u;
+        std::memcpy(&u, in + i, 4);
+        // Round to nearest even, as torch does; NaN stays a (quiet) NaN.
+        uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        uint32_t nan = (u >> 16) | 0x40u;
+        out[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+    }
+}
+
+// Moves a tensor between the caller's memory (dense, plain format) and the
+// memory a primitive computes on: a dtype cast (ours, in the caller's format)
+// and/or a format reorder (oneDNN's, in the primitive's dtype).
+struct Edge {
+    bool active = false, cast = false, reorder = false, to_user = false;
+    memory::desc from_md, to_md, mid_md;
+    dnnl::reorder prim;
+    size_t mid_bytes = 0;
+
+    void init(const memory::desc &from, const memory::desc &to, bool towards_user) {
+        from_md = from;
+        to_md = to;
+        to_user = towards_user;
+        active = !(from == to);
+        if (!active) return;
+        cast = from.get_data_type() != to.get_data_type();
+        // The cast happens on the caller's side, in the caller's format.
+        const memory::desc &user = towards_user ? to : from;
+        const memory::desc &prim_side = towards_user ? from : to;
+        mid_md = cast ? memory::desc(user.get_dims(), prim_side.get_data_type(), user.get_strides())
+                      : user;
+        reorder = !(mid_md == prim_side);
+        if (reorder)
+            prim = towards_user ? make_reorder_pd(from, mid_md) : make_reorder_pd(mid_md, to);
+        if (cast && reorder) mid_bytes = mid_md.get_size();
+    }
+
+    static dnnl::reorder make_reorder_pd(const memory::desc &a, const memory::desc &b) {
+        return dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), a, cpu_engine(), b));
+    }
+
+    void do_cast(const void *src, void *dst, dt src_dt) const {
+        size_t n = static_cast<size_t>(mid_md.get_size() / (mid_md.get_data_type() == dt::f32 ? 4 : 2));
+        if (src_dt == dt::bf16)
+            cast_bf16_to_f32(static_cast<const uint16_t *>(src), static_cast<float *>(dst), n);
+        else
+            cast_f32_to_bf16(static_cast<const float *>(src), static_cast<uint16_t *>(dst), n);
+    }
+
+    // `mid`: scratch of mid_bytes; reorders run synchronously on CPU streams.
+    void run(dnnl::stream &s, const void *from, void *to, void *mid) const {
+        dnnl::engine &eng = cpu_engine();
+        if (!to_user) {
+            const void *cur = from;
+            if (cast) {
+                void *dst = reorder ? mid : to;
+                do_cast(from, dst, from_md.get_data_type());
+                cur = dst;
+            }
+            if (reorder) {
+                memory a(mid_md, eng, const_cast<void *>(cur)), b(to_md, eng, to);
+                prim.execute(s, a, b);
+                s.wait();
+            }
+        } else {
+            const void *cur = from;
+            if (reorder) {
+                void *dst = cast ? mid : to;
+                memory a(from_md, eng, const_cast<void *>(from)), b(mid_md, eng, dst);
+                prim.execute(s, a, b);
+                s.wait();
+                cur = dst;
+            }
+            if (cast) do_cast(cur, to, from_md.get_data_type());
+        }
+    }
+};
+
 struct ConvEntry {
     dnnl::convolution_forward prim;
     memory::desc src_md, wei_md, bias_md, dst_md;  // what the primitive computes on
@@ -193,8 +289,8 @@ struct ConvEntry {
     memory::desc user_src_md, user_dst_md;  // the caller's tensors (residuals share dst's)
     // Set when the primitive's src/dst differ from the caller's in dtype
     // (bf16 computed in f32) or format (no fast kernel for mixed layouts).
+    Edge src_in, dst_out, res_in;
     bool convert_src = false, convert_dst = false;
-    dnnl::reorder src_in, dst_out, res_in;
     bool bias_to_f32 = false;
     std::vector<int> add_slots;  // post-op indices of residual adds
     size_t scratch_bytes = 0;
@@ -298,10 +394,6 @@ dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt comp
     return pd;
 }
 
-dnnl::reorder make_reorder(const memory::desc &from, const memory::desc &to) {
-    return dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), from, cpu_engine(), to));
-}
-
 std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
     const dt data_dt = to_dt(a.dtype);
     const bool scl = a.src_cl, dcl = a.dst_cl;
@@ -383,13 +475,11 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
     e->user_wei_md = memory::desc(wei_dims, data_dt, wei_tag(a.nsp, grouped, a.w_cl));
     e->user_src_md = memory::desc(e->src_md.get_dims(), data_dt, act_tag(a.nsp, scl));
     e->user_dst_md = memory::desc(e->dst_md.get_dims(), data_dt, act_tag(a.nsp, dcl));
-    e->convert_src = !(e->user_src_md == e->src_md);
-    e->convert_dst = !(e->user_dst_md == e->dst_md);
-    if (e->convert_src) e->src_in = make_reorder(e->user_src_md, e->src_md);
-    if (e->convert_dst) {
-        e->dst_out = make_reorder(e->dst_md, e->user_dst_md);
-        if (!e->add_slots.empty()) e->res_in = make_reorder(e->user_dst_md, e->dst_md);
-    }
+    e->src_in.init(e->user_src_md, e->src_md, false);
+    e->dst_out.init(e->dst_md, e->user_dst_md, true);
+    e->convert_src = e->src_in.active;
+    e->convert_dst = e->dst_out.active;
+    if (e->convert_dst && !e->add_slots.empty()) e->res_in.init(e->user_dst_md, e->dst_md, false);
     e->bias_to_f32 = a.has_bias && chosen.compute == dt::f32 && a.bias_dtype == CL_BF16;
     if (chosen.compute != data_dt) e->impl += " (bf16 data, f32 compute)";
     if (chosen.src != us || chosen.dst != ud) e->impl += " (layout converted)";
@@ -561,6 +651,7 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     uint8_t *tmp = (src_b + dst_b * (1 + n_res) + bias_b) ? t_temps.get(src_b + dst_b * (1 + n_res) + bias_b)
                                                            : nullptr;
     uint8_t *scratch = t_scratch.get(e.scratch_bytes);
+    uint8_t *mid = t_mid.get(std::max({e.src_in.mid_bytes, e.dst_out.mid_bytes, e.res_in.mid_bytes}));
     if (e.convert_src || e.convert_dst || e.bias_to_f32) g_stats.converted_calls++;
 
     // Reused per thread: execute() takes a map, and rebuilding one from
@@ -571,9 +662,8 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.scratch_md, eng, scratch));
 
     if (e.convert_src) {
-        memory user(e.user_src_md, eng, const_cast<void *>(src)), conv(e.src_md, eng, tmp);
-        e.src_in.execute(s, user, conv);
-        args.emplace(DNNL_ARG_SRC, conv);
+        e.src_in.run(s, src, tmp, mid);
+        args.emplace(DNNL_ARG_SRC, memory(e.src_md, eng, tmp));
     } else {
         args.emplace(DNNL_ARG_SRC, memory(e.src_md, eng, const_cast<void *>(src)));
     }
@@ -594,19 +684,16 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
         void *data = reinterpret_cast<void *>(residuals[r]);
         int arg = DNNL_ARG_ATTR_MULTIPLE_POST_OP(slot) | DNNL_ARG_SRC_1;
         if (e.convert_dst) {
-            memory user(e.user_dst_md, eng, data), conv(e.dst_md, eng, tmp + src_b + dst_b * (1 + r));
-            e.res_in.execute(s, user, conv);
-            args.emplace(arg, conv);
+            uint8_t *conv = tmp + src_b + dst_b * (1 + r);
+            e.res_in.run(s, data, conv, mid);
+            args.emplace(arg, memory(e.dst_md, eng, conv));
         } else {
             args.emplace(arg, memory(e.dst_md, eng, data));
         }
     }
     e.prim.execute(s, args);
-    if (e.convert_dst) {
-        memory user(e.user_dst_md, eng, dst);
-        e.dst_out.execute(s, mdst, user);
-    }
     s.wait();
+    if (e.convert_dst) e.dst_out.run(s, tmp + src_b, dst, mid);
     args.clear();  // drop references to the caller's buffers
 }
 

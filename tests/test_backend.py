@@ -209,6 +209,17 @@ def test_load_state_dict_and_in_place_updates_after_compile(amp):
         assert_matches(fn(x), model(x), amp)
 
 
+def test_cpp_wrapper_request_is_refused_with_the_reason(monkeypatch):
+    fn = torch.compile(ConvFlattenLinear().eval(), backend="cpu_layout", options={"cpp_wrapper": True})
+    with pytest.raises(Exception, match="C\+\+ wrapper mode .* not implemented yet"):
+        fn(torch.randn(2, 3, 16, 16))
+    torch._dynamo.reset()
+    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1")
+    fn = torch.compile(ConvFlattenLinear().eval(), backend="cpu_layout")
+    with pytest.raises(Exception, match="not implemented yet"):
+        fn(torch.randn(2, 3, 16, 16))
+
+
 def test_training_graph_is_not_compiled():
     model = ConvFlattenLinear()  # parameters require grad
     x = torch.randn(2, 3, 16, 16)
@@ -261,3 +272,41 @@ def test_elementwise_chain_becomes_one_generated_kernel(amp, in_format, compiled
     # mul, add, sigmoid, mul, sub, clamp: one loop (AMP adds cast kernels beside it).
     assert max(k.members for k in kernels) == 6, g.dump()
     assert not [n for n in g.nodes if isinstance(n, ir.Pointwise)], "nothing left on ATen"
+
+
+class PooledOutputs(nn.Module):
+    """Outputs whose eager strides differ from another layout's only at size-1 dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        pooled = y.mean((2, 3), keepdim=True)
+        return pooled, self.head(pooled), F.adaptive_avg_pool2d(y, 1)
+
+
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_size1_output_strides_are_eagers(in_format):
+    model = PooledOutputs().eval()
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 3, 9, 9).contiguous(memory_format=fmt)
+    with torch.no_grad():
+        refs = model(x)
+        outs = torch.compile(model, backend="cpu_layout", options={"debug": True})(x)
+    for y, ref in zip(outs, refs):
+        assert_matches(y, ref)
+
+
+def test_restride_gives_torchs_strides_for_size1_dims():
+    from cpu_layout import runtime
+
+    x = torch.randn(2, 4, 1, 1)  # contiguous strides (4, 1, 1, 1)
+    y = runtime.restride(x, "channels_last")
+    assert y.stride() == torch.empty(2, 4, 1, 1, memory_format=torch.channels_last).stride()
+    assert y.data_ptr() == x.data_ptr() and torch.equal(y, x)
+    z = torch.randn(2, 4, 3, 3)  # a real mismatch is copied, not re-strided
+    w = runtime.restride(z, "channels_last")
+    assert w.is_contiguous(memory_format=torch.channels_last) and torch.equal(w, z)

@@ -23,6 +23,7 @@ class _Emitter:
         self.globals: Dict[str, object] = {
             "to_order": runtime.to_order,
             "check_layout": runtime.check_layout,
+            "restride": runtime.restride,
         }
         self.debug = debug
         self._k = 0
@@ -74,6 +75,17 @@ def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
     return L.is_in_order(b.size, L.strides_for_order(b.size, b.layout), order)
 
 
+def _canonical_eager_order(b: ir.Buffer):
+    """The order whose torch stride formula gives exactly eager's strides for
+    this output, when it differs from the other order's only in size-1 dims."""
+    if not b.is_tensor or b.rank not in (4, 5) or b.layout == ir.EAGER:
+        return None
+    for order in (L.CONTIGUOUS, L.CHANNELS_LAST):
+        if L.same_sizes(L.strides_for_order(b.size, order), b.eager_stride):
+            return order
+    return None
+
+
 def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
     """Python source of `call(args)` and its globals. `runners` maps nodes to
     the callables that execute them (convs, kernels, ATen wrappers)."""
@@ -98,7 +110,12 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
                 em.emit(f"{tmp} = to_order({b.name}, {order!r})")
                 names[b] = tmp
         if isinstance(n, ir.Output):
-            em.emit("return " + em.render(tuple(n.values), names))
+            vals = []
+            for v in n.values:
+                text = em.render(v, names)
+                order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) else None
+                vals.append(f"restride({text}, {order!r})" if order else text)
+            em.emit("return (" + "".join(f"{v}, " for v in vals) + ")")
             break
         fn = None if isinstance(n, ir.Getitem) else em.constant(runners[n], prefix=f"_{type(n).__name__.lower()}")
         if isinstance(n, (ir.Conv, ir.Kernel)):

@@ -1,0 +1,634 @@
+"""Benchmark harness: compile a model with one backend, time it, check it.
+
+Library only (no argparse); used by scripts/bench_models.py and
+scripts/single_run.py.
+
+    from cpu_layout import benchmark as B
+    c = B.compile_model(model, "inductor_freezing", dtype="amp", dynamic=True,
+                        wrapper="cpp", channels_last=False)
+    x = c.prepare_input(x)            # cast / channels_last / mark_dynamic(x, 0)
+    first_s = c.first_call(x)         # triggers compilation
+    med_s = B.median_latency(c, x, warmup=3, iters=20, min_time=0.2)
+    c.check_own_code()                # the timed calls ran this backend's compiled code
+
+Backends
+  eager              the model itself (no Dynamo)
+  cpu_layout         this project, looked up through Dynamo's registry (entry point)
+  inductor           default Inductor (torch._inductor.compile_fx, what backend="inductor" runs)
+  inductor_freezing  Inductor with torch._inductor.config.freezing = True, set while
+                     compiling and during the first call (options={"freezing": True} on
+                     torch.compile does not freeze); with wrapper="cpp" also
+                     torch._inductor.config.cpp_wrapper = True (Inductor's best CPU config).
+                     All Inductor settings go through config.patch, so nothing leaks.
+
+Every compiled backend is wrapped in a distinct counting callable: Dynamo cannot
+share cache entries between two configurations (torch.compile(backend="inductor")
+with equal options would), and `check_own_code` proves that timed calls ran the
+code this backend compiled (`compiles` counts backend invocations, `runs` counts
+calls into the compiled graph).
+
+Memory: peak memory per run is measured with the PyTorch profiler's memory
+events (profile_memory=True). torch has no CPU allocator statistics
+(torch.cpu has no memory_allocated / max_memory_allocated in 2.13), every CPU
+tensor allocation and free goes through c10's CPU allocator which reports to
+the profiler, and summing those events gives the peak of bytes live during one
+call, relative to the start of the call (tensors allocated by the run, output
+included). tracemalloc does not see tensor storage, and RSS (/proc/self/statm,
+resource.ru_maxrss) is not usable for comparing two runs in one process: the
+allocator keeps freed pages and ru_maxrss never goes down. Not counted:
+memory that a library allocates behind the allocator's back (oneDNN
+scratchpads, stack buffers inside generated kernels).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+# Keep the profiler (used by peak_memory) from printing start/stop lines, as
+# benchmarks/dynamo/common.py does. Must be set before kineto initialises.
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch  # noqa: E402
+
+BACKENDS = ("eager", "cpu_layout", "inductor", "inductor_freezing")
+DTYPES = ("float32", "bfloat16", "amp")
+WRAPPERS = ("default", "cpp")
+STATUSES = ("pass", "fail_accuracy", "fail_to_run", "eager_two_runs_differ")
+
+# --------------------------------------------------------------------------
+# Tolerances, as PyTorch's benchmark harness uses them for inference.
+# Source: pytorch/pytorch benchmarks/dynamo/torchbench.py,
+# TorchBenchmarkRunner.get_tolerance_and_cosine_flag:
+#     tolerance = 1e-4                       (float32)
+#     if args.float16 or args.amp: 1e-3      (1e-2 for models in torchbench.yaml "higher_fp16")
+#     if args.bfloat16: 1e-4                 (1e-2 for models in "higher_bf16")
+# and benchmarks/dynamo/common.py, BenchmarkRunner.check_accuracy, which calls
+# torch._dynamo.utils.same(correct_result, new_result, fp64_outputs, tol=tolerance):
+# allclose(atol=rtol=tol) first; if that fails, the compiled result passes when
+# RMSE(fp64_ref, res) <= multiplier * RMSE(fp64_ref, ref) + tol / 10, with
+# multiplier 3 for bf16/fp16 results, tensors under 1000 elements and 1x1-spatial
+# 4-D outputs, else 2. The two eager runs are compared with tol=0.
+# The built-in models are in none of the "higher_*" lists.
+# --------------------------------------------------------------------------
+TOLERANCE = {"float32": 1e-4, "amp": 1e-3, "bfloat16": 1e-4}
+
+
+def tolerance(dtype: str) -> float:
+    return TOLERANCE[dtype]
+
+
+class NotSupportedYet(RuntimeError):
+    """A configuration the backend does not implement yet (e.g. cpu_layout's cpp wrapper)."""
+
+
+class WrongCodeRan(AssertionError):
+    """A timed function did not run the code its backend compiled."""
+
+
+def one_line(name: str, exc: BaseException, limit: int = 300) -> str:
+    """`name, ExceptionType: first line of the message` (no traceback)."""
+    msg = str(exc).strip().splitlines()
+    first = msg[0] if msg else ""
+    # Dynamo wraps backend errors: "backend='x' raised:\nRealError: real message".
+    for line in msg[1:]:
+        line = line.strip()
+        if first.startswith("backend=") and line and not line.startswith(("Set TORCH", "While executing")):
+            first = f"{first} {line}"
+            break
+    if len(first) > limit:
+        first = first[: limit - 3] + "..."
+    return f"{name}, {type(exc).__name__}: {first}"
+
+
+# --------------------------------------------------------------------------
+# cpp wrapper support of the cpu_layout backend
+# --------------------------------------------------------------------------
+def cpp_wrapper_supported() -> Tuple[bool, str]:
+    """Whether cpu_layout implements options={"cpp_wrapper": True} (the backend declares it)."""
+    from cpu_layout import backend as clb
+
+    if clb.CPP_WRAPPER_IMPLEMENTED:
+        return True, ""
+    return False, "cpu_layout's C++ wrapper mode is not supported yet"
+
+
+def cpp_not_supported_message(reason: str = "") -> str:
+    msg = "cpp wrapper mode (WRAPPER=cpp) is not supported yet by the cpu_layout backend"
+    return f"{msg} ({reason})" if reason else msg
+
+
+# --------------------------------------------------------------------------
+# Preparing models and inputs
+# --------------------------------------------------------------------------
+def _cast(t, dtype: str):
+    if dtype == "bfloat16" and isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.to(torch.bfloat16)
+    return t
+
+
+def prepare_model(model: torch.nn.Module, dtype: str, channels_last: bool) -> torch.nn.Module:
+    """A deep copy in eval mode, cast to bf16 for dtype=bfloat16, channels_last if asked."""
+    m = copy.deepcopy(model).eval()
+    if dtype == "bfloat16":
+        m = m.to(torch.bfloat16)
+    if channels_last:
+        m = m.to(memory_format=torch.channels_last)
+    return m
+
+
+def prepare_input(x: torch.Tensor, dtype: str, channels_last: bool, dynamic: bool) -> torch.Tensor:
+    """Cast / convert (always a new tensor), and mark the batch dimension dynamic if asked."""
+    y = _cast(x, dtype)
+    if channels_last and y.dim() == 4:
+        y = y.contiguous(memory_format=torch.channels_last)
+    else:
+        y = y.clone()
+    if dynamic:
+        # --dynamic-batch-only: only dim 0 symbolic, torch.compile(dynamic=False) elsewhere.
+        # Dynamo specialises sizes 0 and 1, so a batch of 1 can only be a hint.
+        if y.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(y, 0)
+        else:
+            torch._dynamo.maybe_mark_dynamic(y, 0)
+    return y
+
+
+def _autocast(dtype: str):
+    if dtype == "amp":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------
+# Compiling
+# --------------------------------------------------------------------------
+def _inductor_patches(backend: str, wrapper: str) -> dict:
+    patches: Dict[str, Any] = {}
+    if backend == "inductor_freezing":
+        patches["freezing"] = True
+    if wrapper == "cpp":
+        patches["cpp_wrapper"] = True
+    return patches
+
+
+@dataclasses.dataclass
+class Compiled:
+    """A model compiled (lazily: on the first call) for one configuration. Call it with a
+    prepared input; it runs under torch.no_grad() (and autocast for amp)."""
+
+    backend: str
+    dtype: str
+    dynamic: bool
+    wrapper: str
+    channels_last: bool
+    model: torch.nn.Module
+    fn: Callable
+    compiles: int = 0          # backend invocations (graphs compiled)
+    runs: int = 0              # calls into compiled graphs
+    frozen: Optional[bool] = None  # inductor_freezing: did Inductor's freeze() run
+    fallback_warnings: List[str] = dataclasses.field(default_factory=list)
+    first_call_s: Optional[float] = None
+    first_output: Any = None
+    _patches: dict = dataclasses.field(default_factory=dict)
+    _runs_mark: int = 0
+
+    @property
+    def label(self) -> str:
+        extra = "+cpp" if self.wrapper == "cpp" and self.backend != "eager" else ""
+        return self.backend + ("_cl" if self.channels_last else "") + extra
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        return prepare_input(x, self.dtype, self.channels_last, self.dynamic)
+
+    def __call__(self, x):
+        with torch.no_grad(), _autocast(self.dtype):
+            return self.fn(x)
+
+    def first_call(self, x) -> float:
+        """Run the first call (compiles) and return its wall time in seconds."""
+        ctx = contextlib.nullcontext()
+        if self.backend.startswith("inductor"):
+            import torch._inductor.config as ic
+
+            ctx = ic.patch(self._patches)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            with ctx:
+                out = self(x)
+            self.first_call_s = time.perf_counter() - t0
+        for w in caught:
+            text = str(w.message)
+            if text.startswith("cpu_layout"):
+                self.fallback_warnings.append(text.splitlines()[0])
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.first_output = out
+        if self.backend != "eager" and self.compiles == 0:
+            raise WrongCodeRan(f"{self.label}: the first call did not invoke the backend "
+                               f"(Dynamo served another configuration's cache entry?)")
+        return self.first_call_s
+
+    def mark(self) -> None:
+        """Remember the run counter; check_own_code() checks calls made after this."""
+        self._runs_mark = self.runs
+
+    def check_own_code(self, expected_calls: Optional[int] = None) -> None:
+        """Raise WrongCodeRan unless calls since mark() went into this backend's compiled code."""
+        if self.backend == "eager":
+            return
+        done = self.runs - self._runs_mark
+        if self.compiles < 1 or done < 1 or (expected_calls is not None and done < expected_calls):
+            raise WrongCodeRan(
+                f"{self.label}: {done} calls into its compiled code since mark() "
+                f"(expected {expected_calls if expected_calls is not None else '>= 1'}), "
+                f"{self.compiles} compiles: the timed function did not run its own compiled code")
+        if self.backend == "inductor_freezing" and self.frozen is False:
+            raise WrongCodeRan(f"{self.label}: Inductor's freeze() never ran: not a freezing build")
+
+
+def _backend_callable(c: Compiled, backend: str, wrapper: str, options: Optional[dict]):
+    """The compiler Dynamo calls: counts compiles, wraps the result to count runs."""
+    if backend == "cpu_layout":
+        inner_backend = torch._dynamo.lookup_backend("cpu_layout")  # the entry point
+        opts = dict(options or {})
+        if wrapper == "cpp":
+            opts["cpp_wrapper"] = True
+
+        def inner(gm, example_inputs):
+            if opts:
+                return inner_backend(gm, example_inputs, options=opts)
+            return inner_backend(gm, example_inputs)
+    else:
+        from torch._inductor.compile_fx import compile_fx
+        import torch._inductor.config as ic
+        patches = dict(c._patches)
+
+        def inner(gm, example_inputs):
+            with ic.patch(patches):
+                if backend != "inductor_freezing":
+                    return compile_fx(gm, example_inputs)
+                try:
+                    import torch._inductor.freezing as fz
+                except ImportError:  # pragma: no cover
+                    return compile_fx(gm, example_inputs)
+                real = fz.freeze
+
+                def spy(*a, **k):
+                    c.frozen = True
+                    return real(*a, **k)
+
+                fz.freeze = spy
+                if c.frozen is None:
+                    c.frozen = False
+                try:
+                    return compile_fx(gm, example_inputs)
+                finally:
+                    fz.freeze = real
+
+    def counted_backend(gm, example_inputs, **kwargs):
+        c.compiles += 1
+        compiled = inner(gm, example_inputs)
+
+        # Dynamo calls what a backend returns with positional arguments.
+        def run(*args):
+            c.runs += 1
+            return compiled(*args)
+        return run
+
+    counted_backend.__name__ = f"counted_{backend}"
+    return counted_backend
+
+
+def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
+                  dynamic: bool = False, wrapper: str = "default", channels_last: bool = False,
+                  *, options: Optional[dict] = None, reset: bool = True) -> Compiled:
+    """Prepare (copy, cast, channels_last) and torch.compile `model` for one configuration.
+
+    Compilation is lazy: call `.first_call(x)` with `.prepare_input(x)`. With reset=True
+    (default) Dynamo's caches are reset first, so a previous configuration cannot be
+    served. Pass reset=False only to keep several backends of ONE configuration alive
+    together (each has its own counting backend, so their cache entries stay apart).
+    Raises ValueError for bad arguments, NotSupportedYet for cpu_layout + wrapper="cpp"
+    while the backend does not implement it.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if wrapper not in WRAPPERS:
+        raise ValueError(f"unknown wrapper {wrapper!r}; choose from {', '.join(WRAPPERS)}")
+    if backend == "cpu_layout" and wrapper == "cpp":
+        ok, reason = cpp_wrapper_supported()
+        if not ok:
+            raise NotSupportedYet(cpp_not_supported_message(reason))
+    m = prepare_model(model, dtype, channels_last)
+    c = Compiled(backend, dtype, dynamic, wrapper, channels_last, m, fn=m)
+    if backend == "eager":
+        return c
+    if reset:
+        torch._dynamo.reset()
+    if backend.startswith("inductor"):
+        c._patches = _inductor_patches(backend, wrapper)
+    c.fn = torch.compile(m, backend=_backend_callable(c, backend, wrapper, options), dynamic=False)
+    return c
+
+
+# --------------------------------------------------------------------------
+# Timing and memory
+# --------------------------------------------------------------------------
+def median_latency(fn: Callable, x, warmup: int = 3, iters: int = 20, min_time: float = 0.0) -> float:
+    """Median seconds per call of fn(x): `warmup` untimed calls, then at least `iters`
+    timed calls and at least `min_time` seconds of them."""
+    for _ in range(warmup):
+        fn(x)
+    samples: List[float] = []
+    start = time.perf_counter()
+    while len(samples) < iters or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn(x)
+        samples.append(time.perf_counter() - t0)
+        if len(samples) > 100 * max(iters, 1):  # min_time on a very fast fn: enough
+            break
+    return statistics.median(samples)
+
+
+def interleaved_medians(fns: Dict[str, Tuple[Callable, Any]], rounds: int = 5, iters: int = 10,
+                        warmup: int = 2) -> Dict[str, float]:
+    """Median seconds per call for several functions timed in alternating rounds
+    (fn A x iters, fn B x iters, ..., repeated `rounds` times), so drift on a shared
+    machine hits all of them alike. fns: label -> (fn, input)."""
+    for fn, x in fns.values():
+        for _ in range(warmup):
+            fn(x)
+    samples: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, (fn, x) in fns.items():
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn(x)
+                samples[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """Silence file descriptor 2 (kineto prints profiler_start/stop lines from C++ that
+    KINETO_LOG_LEVEL does not cover). Only wraps a call that has already run fine."""
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def peak_memory(fn: Callable, x) -> int:
+    """Peak bytes allocated (and not yet freed) through c10's CPU allocator during one
+    call fn(x), measured from the profiler's memory events (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings(), _quiet_fd2():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn(x)
+            del out
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+# --------------------------------------------------------------------------
+# Accuracy
+# --------------------------------------------------------------------------
+def _flatten(out) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _flatten(out[k])]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flatten(o)]
+    return []
+
+
+def _same(ref, res, fp64_ref, tol: float) -> bool:
+    from torch._dynamo.utils import same
+
+    return bool(same(ref, res, fp64_ref, tol=tol, equal_nan=True, log_error=lambda *a, **k: None))
+
+
+def values_match(ref, res, fp64_ref, dtype: str) -> bool:
+    """PyTorch's benchmark accuracy check (torch._dynamo.utils.same, TOLERANCE[dtype])."""
+    try:
+        return _same(ref, res, fp64_ref, tolerance(dtype))
+    except Exception:  # noqa: BLE001 - allclose can raise on mismatched shapes/dtypes
+        return False
+
+
+def bitwise_equal(a, b) -> bool:
+    try:
+        return _same(a, b, None, 0.0)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _stride_key(t: torch.Tensor):
+    # Strides of size-1 dimensions are meaningless; compare the others.
+    return tuple((s, st) for s, st in zip(t.shape, t.stride()) if s != 1)
+
+
+def strides_match(ref, res) -> bool:
+    a, b = _flatten(ref), _flatten(res)
+    return len(a) == len(b) and all(
+        x.shape == y.shape and _stride_key(x) == _stride_key(y) for x, y in zip(a, b))
+
+
+def stride_report(ref, res) -> str:
+    a, b = _flatten(ref), _flatten(res)
+    return "; ".join(f"output {i}: eager {tuple(x.stride())} vs compiled {tuple(y.stride())} "
+                     f"(size {tuple(x.shape)})"
+                     for i, (x, y) in enumerate(zip(a, b)) if _stride_key(x) != _stride_key(y))
+
+
+def fp64_reference(model: torch.nn.Module, x: torch.Tensor):
+    """Eager float64 outputs (the harness's golden reference for RMSE)."""
+    m = copy.deepcopy(model).eval().to(torch.float64)
+    with torch.no_grad():
+        out = m(x.detach().to(torch.float64))
+    return _to64(out)
+
+
+def _to64(out):
+    if isinstance(out, torch.Tensor):
+        return out.to(torch.float64) if out.is_floating_point() else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_to64(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _to64(v) for k, v in out.items()}
+    return out
+
+
+def dynamo_stats() -> Dict[str, int]:
+    """calls_captured, unique_graphs, graph_breaks as benchmarks/dynamo/common.py's
+    get_dynamo_stats reads them from torch._dynamo.utils.counters."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "calls_captured": int(counters["stats"]["calls_captured"]),
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+@dataclasses.dataclass
+class AccuracyResult:
+    status: str
+    reason: str = ""
+    calls_captured: int = 0
+    unique_graphs: int = 0
+    graph_breaks: int = 0
+    strides_ok: Optional[bool] = None
+    warnings: List[str] = dataclasses.field(default_factory=list)
+
+
+def run_accuracy(name: str, model: torch.nn.Module, x: torch.Tensor, backend: str,
+                 dtype: str = "float32", dynamic: bool = False, wrapper: str = "default",
+                 channels_last: bool = False) -> AccuracyResult:
+    """benchmarks/dynamo/common.py check_accuracy, for inference: fp64 golden outputs,
+    two eager runs (tol=0) in the configuration's dtype, then the compiled run compared
+    with same(eager, compiled, fp64, tol). NotSupportedYet propagates."""
+    try:
+        fp64 = fp64_reference(model, x)
+    except Exception:  # noqa: BLE001 - the harness falls back to cosine; we keep allclose
+        fp64 = None
+    eager = compile_model(model, "eager", dtype, False, "default", channels_last)
+    xe = eager.prepare_input(x)
+    try:
+        ref1 = eager(xe)
+        ref2 = eager(eager.prepare_input(x))
+    except Exception as exc:  # noqa: BLE001
+        return AccuracyResult("fail_to_run", one_line(name, exc))
+    if not bitwise_equal(ref1, ref2):
+        return AccuracyResult("eager_two_runs_differ", f"{name}, eager outputs of two runs differ")
+    del ref2
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        c = compile_model(model, backend, dtype, dynamic, wrapper, channels_last)
+        xc = c.prepare_input(x)
+        c.first_call(xc)
+        c.mark()
+        res = c(xc)
+        c.check_own_code(1)
+    except NotSupportedYet:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return AccuracyResult("fail_to_run", one_line(name, exc), **dynamo_stats())
+    stats = dynamo_stats()
+    ok = values_match(ref1, res, fp64, dtype)
+    s_ok = strides_match(ref1, res)
+    r = AccuracyResult("pass" if ok else "fail_accuracy", "", strides_ok=s_ok,
+                       warnings=list(c.fallback_warnings), **stats)
+    if not ok:
+        r.reason = f"{name}, AccuracyError: {describe_error(ref1, res, fp64, dtype)}"
+    return r
+
+
+def describe_error(ref, res, fp64, dtype: str) -> str:
+    a, b = _flatten(ref), _flatten(res)
+    if len(a) != len(b):
+        return f"{len(b)} outputs, eager has {len(a)}"
+    parts = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            parts.append(f"output {i}: {tuple(y.shape)} {y.dtype} vs eager {tuple(x.shape)} {x.dtype}")
+            continue
+        d = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+        parts.append(f"output {i}: max abs diff {d:.3g}")
+    return "; ".join(parts) + f" (tol {tolerance(dtype)})"
+
+
+# --------------------------------------------------------------------------
+# Performance
+# --------------------------------------------------------------------------
+@dataclasses.dataclass
+class PerfResult:
+    status: str                 # "pass" or "fail_to_run"
+    reason: str = ""
+    speedup: float = 0.0        # median eager / median compiled
+    abs_latency_ms: float = 0.0  # median compiled, ms
+    eager_latency_ms: float = 0.0
+    compile_s: float = 0.0      # first call - median call
+    compression_ratio: float = 0.0  # eager peak / compiled peak
+    eager_peak_bytes: int = 0
+    compiled_peak_bytes: int = 0
+    calls_captured: int = 0
+    unique_graphs: int = 0
+    graph_breaks: int = 0
+    warnings: List[str] = dataclasses.field(default_factory=list)
+
+
+def run_performance(name: str, model: torch.nn.Module, x: torch.Tensor, backend: str,
+                    dtype: str = "float32", dynamic: bool = False, wrapper: str = "default",
+                    channels_last: bool = False, warmup: int = 3, iters: int = 20,
+                    rounds: int = 5) -> PerfResult:
+    """Compile, then time eager and compiled in interleaved rounds; peak memory of one
+    call each. NotSupportedYet propagates; other failures become fail_to_run."""
+    from torch._dynamo.utils import counters
+
+    eager = compile_model(model, "eager", dtype, False, "default", channels_last)
+    xe = eager.prepare_input(x)
+    try:
+        eager(xe)
+    except Exception as exc:  # noqa: BLE001
+        return PerfResult("fail_to_run", one_line(name, exc))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        c = compile_model(model, backend, dtype, dynamic, wrapper, channels_last)
+        xc = c.prepare_input(x)
+        first = c.first_call(xc)
+        c.mark()
+        per_round = max(1, iters // max(rounds, 1))
+        med = interleaved_medians({"eager": (eager, xe), "compiled": (c, xc)},
+                                  rounds=rounds, iters=per_round, warmup=warmup)
+        c.check_own_code((warmup + rounds * per_round) if backend != "eager" else None)
+        ep, cp = peak_memory(eager, xe), peak_memory(c, xc)
+    except NotSupportedYet:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return PerfResult("fail_to_run", one_line(name, exc), **dynamo_stats())
+    return PerfResult(
+        "pass", "", speedup=med["eager"] / med["compiled"], abs_latency_ms=med["compiled"] * 1e3,
+        eager_latency_ms=med["eager"] * 1e3, compile_s=max(first - med["compiled"], 0.0),
+        compression_ratio=(ep / cp) if cp else 0.0, eager_peak_bytes=ep, compiled_peak_bytes=cp,
+        warnings=list(c.fallback_warnings), **dynamo_stats())
+
+
+def geomean(xs: Sequence[float]) -> float:
+    import math
+
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
