@@ -46,13 +46,10 @@ class Buffer:
 
     def eager_order(self) -> str:
         """The named order eager's strides are in (ambiguous size-1 cases read as contiguous)."""
-        if self.rank in (4, 5) and L.is_in_order(self.size, self.eager_stride, L.CHANNELS_LAST) and not (
-            L.is_in_order(self.size, self.eager_stride, L.CONTIGUOUS)
-        ):
-            return L.CHANNELS_LAST
-        if L.is_in_order(self.size, self.eager_stride, L.CONTIGUOUS):
+        labels = L.matching_labels(self.size, self.eager_stride)
+        if L.CONTIGUOUS in labels:
             return L.CONTIGUOUS
-        return EAGER
+        return labels[0] if labels else EAGER
 
     def __repr__(self):
         return f"Buffer({self.name})"

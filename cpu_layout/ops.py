@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 import torch
-from torch._prims_common import suggest_memory_format
 
 from cpu_layout import _native
+from cpu_layout.layout import CHANNELS_LAST, eager_memory_format
 from cpu_layout._native import ffi, lib
 
 __all__ = [
@@ -123,12 +123,13 @@ def is_channels_last_dense(t: torch.Tensor) -> bool:
 
 
 def torch_prefers_channels_last(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The output memory format eager `torch.nn.functional.convNd` picks on CPU."""
-    nsp = x.dim() - 2
-    if nsp == 1:
+    """The output memory format eager `torch.nn.functional.convNd` picks on CPU:
+    channels-last when input or weight suggests it (torch's own rule, ported once
+    in `layout.eager_memory_format`)."""
+    if x.dim() == 3:
         return False
-    fmt = _CL_FORMAT[nsp]
-    return suggest_memory_format(x) == fmt or suggest_memory_format(w) == fmt
+    return CHANNELS_LAST in (eager_memory_format(x.shape, x.stride()),
+                             eager_memory_format(w.shape, w.stride()))
 
 
 def _empty(size, dtype, channels_last):

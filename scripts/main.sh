@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the main job. Extra arguments go to the demo.
+# Set up .venv if needed, then run the main job: every built-in model through
+# cpu_layout against eager (performance scenario), as scripts/single_run.sh
+# prints it. Extra arguments go to single_run.sh (e.g. --output results.csv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/scripts/env.sh"
+source "$ROOT/scripts/env.sh" >&2
 cd "$ROOT"
-exec "$VENV/bin/python" scripts/demo.py "$@"
+exec bash scripts/single_run.sh multiple inference performance builtin all float32 first static default 0 cpu_layout "$@"
