@@ -6,8 +6,32 @@ both and the process holds one thread pool.
 """
 import torch  # noqa: F401  (must precede the extension; see above)
 
+def _preload_onednn():
+    """Load libdnnl.so.3 from this environment's lib/ (where onednn-cpu-gomp
+    puts it) when the extension's rpath does not lead there, e.g. a build
+    made in one place and installed in another."""
+    import ctypes
+    import glob
+    import os
+    import sys
+
+    for prefix in dict.fromkeys((sys.prefix, sys.exec_prefix, sys.base_prefix)):
+        for path in sorted(glob.glob(os.path.join(prefix, "lib", "libdnnl.so.3*"))):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                return True
+            except OSError:
+                continue
+    return False
+
+
 try:
-    from cpu_layout._dnnl import ffi, lib
+    try:
+        from cpu_layout._dnnl import ffi, lib
+    except ImportError as first:
+        if "libdnnl" not in str(first) or not _preload_onednn():
+            raise
+        from cpu_layout._dnnl import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "cpu_layout's oneDNN extension is not built or cannot find libdnnl.so.3 "

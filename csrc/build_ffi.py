@@ -9,7 +9,6 @@ Python can see rather than assuming `sys.prefix`.
 import glob
 import os
 import sys
-import tempfile
 
 from cffi import FFI
 
@@ -69,8 +68,8 @@ def _link_name(lib_dir):
 def _build_rpath(lib_dir):
     # An in-place (editable) build sits outside site-packages, so $ORIGIN does
     # not lead to the library; point at the build-time copy unless that is
-    # pip's throw-away build-isolation prefix.
-    if os.path.abspath(lib_dir).startswith(os.path.abspath(tempfile.gettempdir()) + os.sep):
+    # pip's throw-away build-isolation prefix (named pip-build-env-*).
+    if "pip-build-env-" in os.path.abspath(lib_dir):
         return []
     return ["-Wl,-rpath," + lib_dir]
 
