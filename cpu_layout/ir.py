@@ -110,6 +110,9 @@ class Pointwise(Node):
     op: str = ""
     args: list = field(default_factory=list)
     params: tuple = ()
+    # (target, args, kwargs) of the ATen call that computes it, for when it
+    # is not fused into a kernel.
+    aten: Optional[tuple] = None
     rule: str = FREE
 
 

@@ -181,15 +181,14 @@ class Lowering:
             self.g.add(node)
             buf.constant = all(isinstance(t, ir.Buffer) and t.constant for t in ir.values_of(args))
             coeff.append(buf)
-        scaled = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
-        mul = ir.Pointwise(f"{n.name}_mul", [xb, coeff[0]], scaled, op="mul", args=[xb, coeff[0]])
-        mul.aten = (aten.mul.Tensor, (xb, coeff[0]), {})
-        self.g.add(mul)
-        out = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
-        add = ir.Pointwise(f"{n.name}_add", [scaled, coeff[1]], out, op="add", args=[scaled, coeff[1]])
-        add.aten = (aten.add.Tensor, (scaled, coeff[1]), {})
-        self.g.add(add)
-        return _Picked({0: out})
+        scaled = self._binary(f"{n.name}_mul", "mul", aten.mul.Tensor, xb, coeff[0], out_v)
+        return _Picked({0: self._binary(f"{n.name}_add", "add", aten.add.Tensor, scaled, coeff[1], out_v)})
+
+    def _binary(self, name, op, target, a: ir.Buffer, b: ir.Buffer, like: torch.Tensor) -> ir.Buffer:
+        """A pointwise node made by the lowering itself, shaped like eager's `like`."""
+        out = self.g.new_buffer(size=tuple(like.shape), dtype=like.dtype, eager_stride=tuple(like.stride()))
+        self.g.add(ir.Pointwise(name, [a, b], out, op=op, args=[a, b], aten=(target, (a, b), {})))
+        return out
 
     def _pointwise(self, n: FxNode, op: str, args: list, params=()):
         v = self._val(n)
@@ -200,8 +199,8 @@ class Lowering:
             return self._aten(n, ir.EAGER)
         out = self._buffer_for(n)
         node = ir.Pointwise(n.name, [a for a in args if isinstance(a, ir.Buffer)], out, op=op,
-                            args=list(args), params=tuple(params))
-        node.aten = (n.target, self._arg(n.args), self._arg(n.kwargs))  # how to run it on ATen
+                            args=list(args), params=tuple(params),
+                            aten=(n.target, self._arg(n.args), self._arg(n.kwargs)))
         self.g.add(node)
         return out
 

@@ -132,7 +132,8 @@ def torch_prefers_channels_last(x: torch.Tensor, w: torch.Tensor) -> bool:
                              eager_memory_format(w.shape, w.stride()))
 
 
-def _empty(size, dtype, channels_last):
+def empty_dense(size, dtype, channels_last: bool) -> torch.Tensor:
+    """A new tensor dense in NCHW, or in NWC/NHWC/NDHWC when `channels_last`."""
     if not channels_last:
         return torch.empty(size, dtype=dtype)
     if len(size) == 3:
@@ -141,7 +142,8 @@ def _empty(size, dtype, channels_last):
     return torch.empty(size, dtype=dtype, memory_format=_CL_FORMAT[len(size) - 2])
 
 
-def _to_layout(t, channels_last):
+def to_dense(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """`t` dense in NCHW or in channels-last (a no-op when it already is; size-1 dims ignored)."""
     if channels_last:
         if is_channels_last_dense(t):
             return t
@@ -372,7 +374,7 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
         raise ValueError(f"conv{nsp}d expects a {nsp + 2}-d weight, got size {tuple(weight.shape)}")
     prob, residuals = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
     if prob.copy_src:
-        x = _to_layout(x, prob.dst_cl)
+        x = to_dense(x, prob.dst_cl)
     if prob.copy_w:
         # Copied on every call: keep odd-strided weights contiguous yourself.
         weight = weight.contiguous()
@@ -390,10 +392,10 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
                 raise TypeError(f"residual dtype {r.dtype} differs from the input's {x.dtype}")
             if r.device.type != "cpu":
                 raise ValueError(f"residual is on {r.device}; cpu_layout runs on the CPU only")
-            kept.append(_to_layout(r, prob.dst_cl))
+            kept.append(to_dense(r, prob.dst_cl))
         residuals = kept  # keeps converted copies alive through the call
         res_ptrs = ffi.new("uintptr_t[]", [r.data_ptr() for r in kept])
-    y = _empty(prob.out_size, x.dtype, prob.dst_cl)
+    y = empty_dense(prob.out_size, x.dtype, prob.dst_cl)
     rc = lib.cl_conv_forward(
         prob.args,
         x.data_ptr(),

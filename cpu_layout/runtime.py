@@ -7,6 +7,7 @@ storage): module state is constant only while it is unchanged.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -15,14 +16,16 @@ from cpu_layout import layout as L
 from cpu_layout import ops
 
 
+def _planned_cl(order: str, rank: int) -> bool:
+    # The plan uses channels-last for 4-D and 5-D buffers only.
+    return order == L.CHANNELS_LAST and rank in (4, 5)
+
+
 def to_order(x: torch.Tensor, order: str) -> torch.Tensor:
     """`x` dense in `order` (a no-op when it already is: size-1 dims are ignored)."""
-    if order == L.CHANNELS_LAST and x.dim() in (4, 5):
-        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        return x.contiguous(memory_format=fmt)
-    if order == L.CONTIGUOUS:
-        return x.contiguous()
-    return x
+    if order not in L.LABELS:
+        return x
+    return ops.to_dense(x, _planned_cl(order, x.dim()))
 
 
 def restride(x, order: str):
@@ -41,7 +44,7 @@ def restride(x, order: str):
     return x.as_strided(x.shape, want)
 
 
-def check_layout(x, order: str, name: str, size_hint: Optional[Sequence] = None) -> None:
+def check_layout(x, order: str, name: str) -> None:
     """CPU_LAYOUT_DEBUG: the runtime produced the layout the plan promised."""
     if not isinstance(x, torch.Tensor) or order not in L.LABELS:
         return
@@ -74,34 +77,18 @@ def bn_shift(w, b, mean, var, eps: float, rank: int) -> torch.Tensor:
     return shift.reshape((-1,) + (1,) * (rank - 2)).contiguous()
 
 
-class FoldedConvWeights:
-    """Conv weight and bias with an inference batch-norm folded in.
-
-    Recomputed when any source tensor changed; otherwise the same tensors are
-    returned, so the extension's reordered-weight cache keeps hitting."""
-
-    def __init__(self, eps: float):
-        self.eps = eps
-        self.key = None
-        self.value = None
-
-    def __call__(self, w, b, bn_w, bn_b, mean, var):
-        key = tuple(_key(t) for t in (w, b, bn_w, bn_b, mean, var))
-        if key != self.key:
-            with torch.no_grad():
-                scale = torch.rsqrt(var.float() + self.eps)
-                if bn_w is not None:
-                    scale = scale * bn_w.float()
-                shift = -mean.float() * scale
-                if bn_b is not None:
-                    shift = shift + bn_b.float()
-                if b is not None:
-                    shift = shift + b.float() * scale
-                shape = (-1,) + (1,) * (w.dim() - 1)
-                wf = (w.float() * scale.reshape(shape)).to(w.dtype).contiguous()
-                self.value = (wf, shift.to(w.dtype).contiguous())
-            self.key = key
-        return self.value
+def fold_batch_norm(w, b, bn_w, bn_b, mean, var, eps: float):
+    """Conv weight and bias with an inference batch-norm folded in."""
+    with torch.no_grad():
+        scale = _bn_inv_std(bn_w, var, eps)
+        shift = -mean.float() * scale
+        if bn_b is not None:
+            shift = shift + bn_b.float()
+        if b is not None:
+            shift = shift + b.float() * scale
+        shape = (-1,) + (1,) * (w.dim() - 1)
+        wf = (w.float() * scale.reshape(shape)).to(w.dtype).contiguous()
+        return wf, shift.to(w.dtype).contiguous()
 
 
 class Memoized:
@@ -135,7 +122,10 @@ class ConvCall:
                               for p in node.post_ops]
         self.n_residuals = sum(1 for p in self.post_template if isinstance(p, tuple) and p[0] == "add")
         self.has_bias = node.bias is not None
-        self.fold = FoldedConvWeights(node.bn.eps) if node.bn is not None else None
+        # Memoized: the same folded tensors come back while the sources are
+        # unchanged, so the extension's reordered-weight cache keeps hitting.
+        self.fold = (Memoized(functools.partial(fold_batch_norm, eps=node.bn.eps))
+                     if node.bn is not None else None)
         self.bn_has = (node.bn.weight is not None, node.bn.bias is not None) if node.bn else None
 
     def __call__(self, x, w, *rest):
@@ -155,10 +145,7 @@ class ConvCall:
 
 
 def empty_in_order(size, dtype, order: str) -> torch.Tensor:
-    if order == L.CHANNELS_LAST and len(size) in (4, 5):
-        fmt = torch.channels_last if len(size) == 4 else torch.channels_last_3d
-        return torch.empty(size, dtype=dtype, memory_format=fmt)
-    return torch.empty(size, dtype=dtype)
+    return ops.empty_dense(size, dtype, _planned_cl(order, len(size)))
 
 
 class KernelCall:

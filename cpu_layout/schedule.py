@@ -21,12 +21,15 @@ def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
         b = n.out
         if not b.is_tensor:
             b.layout = None
-        elif isinstance(n, ir.Input) or n.rule == ir.EAGER:
+            continue
+        if isinstance(n, ir.Input) or n.rule == ir.EAGER:
             b.layout = ir.EAGER
-        elif n.rule == ir.FREE:
-            b.layout = (choose(n) or L.CONTIGUOUS) if b.rank in (4, 5) else L.CONTIGUOUS
-        elif choose(n) is not None and b.rank in (4, 5):
-            b.layout = choose(n)  # FOLLOW op the planner gave a layout; inputs are converted to it
+            continue
+        chosen = choose(n) if b.rank in (4, 5) else None
+        if n.rule == ir.FREE:
+            b.layout = chosen or L.CONTIGUOUS
+        elif chosen is not None:
+            b.layout = chosen  # FOLLOW op the planner gave a layout; inputs are converted to it
         else:  # FOLLOW
             first = next((i for i in n.inputs if i.is_tensor), None)
             src = first.layout if first is not None else ir.EAGER

@@ -289,8 +289,7 @@ struct ConvEntry {
     memory::desc user_src_md, user_dst_md;  // the caller's tensors (residuals share dst's)
     // Set when the primitive's src/dst differ from the caller's in dtype
     // (bf16 computed in f32) or format (no fast kernel for mixed layouts).
-    Edge src_in, dst_out, res_in;
-    bool convert_src = false, convert_dst = false;
+    Edge src_in, dst_out, res_in;  // .active: a conversion is needed on that side
     bool bias_to_f32 = false;
     std::vector<int> add_slots;  // post-op indices of residual adds
     size_t scratch_bytes = 0;
@@ -323,11 +322,6 @@ bool acceptable(const char *impl, const cl_conv_args &a) {
     return !(a.n_post_ops > 0 && std::strstr(impl, "gemm") != nullptr);
 }
 
-// Build the primitive descriptor for `compute` dtype; returns an empty pd when
-// oneDNN only has a reference kernel (or nothing) and `reject_ref` is set.
-// Build the primitive descriptor computing in `compute` with the given
-// activation formats; empty when oneDNN has nothing for it, or only a
-// reference kernel and `reject_ref` is set.
 // Activation formats a primitive can be asked for.
 enum Fmt { FMT_CF = 0, FMT_CL = 1, FMT_BLOCKED = 2 };
 
@@ -336,6 +330,9 @@ memory::desc act_md(const memory::dims &dims, dt d, int nsp, Fmt f) {
     return memory::desc(dims, d, act_tag(nsp, f == FMT_CL));
 }
 
+// Build the primitive descriptor computing in `compute` with the given
+// activation formats; empty when oneDNN has nothing for it, or only kernels
+// `acceptable` rejects and `reject_ref` is set.
 dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt compute, Fmt src_fmt,
                                                   Fmt dst_fmt, bool reject_ref) {
     const int nsp = a.nsp;
@@ -477,9 +474,7 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
     e->user_dst_md = memory::desc(e->dst_md.get_dims(), data_dt, act_tag(a.nsp, dcl));
     e->src_in.init(e->user_src_md, e->src_md, false);
     e->dst_out.init(e->dst_md, e->user_dst_md, true);
-    e->convert_src = e->src_in.active;
-    e->convert_dst = e->dst_out.active;
-    if (e->convert_dst && !e->add_slots.empty()) e->res_in.init(e->user_dst_md, e->dst_md, false);
+    if (e->dst_out.active && !e->add_slots.empty()) e->res_in.init(e->user_dst_md, e->dst_md, false);
     e->bias_to_f32 = a.has_bias && chosen.compute == dt::f32 && a.bias_dtype == CL_BF16;
     if (chosen.compute != data_dt) e->impl += " (bf16 data, f32 compute)";
     if (chosen.src != us || chosen.dst != ud) e->impl += " (layout converted)";
@@ -617,13 +612,6 @@ WeightCache &weight_cache() {
     return c;
 }
 
-float bf16_to_f32(uint16_t v) {
-    uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
 void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsigned long long weight_id,
               long long weight_version, const void *bias, void *dst, const uintptr_t *residuals) {
     validate(a);
@@ -644,15 +632,15 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
 
     // Temporaries, only when converting: [src][dst][residual...][bias f32]
     auto align = [](size_t n) { return (n + 63) & ~size_t(63); };
-    const size_t n_res = e.convert_dst ? e.add_slots.size() : 0;
-    const size_t src_b = e.convert_src ? align(e.src_md.get_size()) : 0;
-    const size_t dst_b = e.convert_dst ? align(e.dst_md.get_size()) : 0;
+    const size_t n_res = e.dst_out.active ? e.add_slots.size() : 0;
+    const size_t src_b = e.src_in.active ? align(e.src_md.get_size()) : 0;
+    const size_t dst_b = e.dst_out.active ? align(e.dst_md.get_size()) : 0;
     const size_t bias_b = e.bias_to_f32 ? align(static_cast<size_t>(a.oc) * 4) : 0;
     uint8_t *tmp = (src_b + dst_b * (1 + n_res) + bias_b) ? t_temps.get(src_b + dst_b * (1 + n_res) + bias_b)
                                                            : nullptr;
     uint8_t *scratch = t_scratch.get(e.scratch_bytes);
     uint8_t *mid = t_mid.get(std::max({e.src_in.mid_bytes, e.dst_out.mid_bytes, e.res_in.mid_bytes}));
-    if (e.convert_src || e.convert_dst || e.bias_to_f32) g_stats.converted_calls++;
+    if (e.src_in.active || e.dst_out.active || e.bias_to_f32) g_stats.converted_calls++;
 
     // Reused per thread: execute() takes a map, and rebuilding one from
     // scratch on every call costs more than the tiny convolutions it runs.
@@ -661,19 +649,18 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     args.emplace(DNNL_ARG_WEIGHTS, wei);
     args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.scratch_md, eng, scratch));
 
-    if (e.convert_src) {
+    if (e.src_in.active) {
         e.src_in.run(s, src, tmp, mid);
         args.emplace(DNNL_ARG_SRC, memory(e.src_md, eng, tmp));
     } else {
         args.emplace(DNNL_ARG_SRC, memory(e.src_md, eng, const_cast<void *>(src)));
     }
-    memory mdst(e.dst_md, eng, e.convert_dst ? tmp + src_b : dst);
+    memory mdst(e.dst_md, eng, e.dst_out.active ? tmp + src_b : dst);
     args.emplace(DNNL_ARG_DST, mdst);
     if (a.has_bias) {
         if (e.bias_to_f32) {
             float *b32 = reinterpret_cast<float *>(tmp + src_b + dst_b * (1 + n_res));
-            const uint16_t *b = static_cast<const uint16_t *>(bias);
-            for (long long i = 0; i < a.oc; ++i) b32[i] = bf16_to_f32(b[i]);
+            cast_bf16_to_f32(static_cast<const uint16_t *>(bias), b32, static_cast<size_t>(a.oc));
             args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, b32));
         } else {
             args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, const_cast<void *>(bias)));
@@ -683,7 +670,7 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
         int slot = e.add_slots[r];
         void *data = reinterpret_cast<void *>(residuals[r]);
         int arg = DNNL_ARG_ATTR_MULTIPLE_POST_OP(slot) | DNNL_ARG_SRC_1;
-        if (e.convert_dst) {
+        if (e.dst_out.active) {
             uint8_t *conv = tmp + src_b + dst_b * (1 + r);
             e.res_in.run(s, data, conv, mid);
             args.emplace(arg, memory(e.dst_md, eng, conv));
@@ -693,7 +680,7 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     }
     e.prim.execute(s, args);
     s.wait();
-    if (e.convert_dst) e.dst_out.run(s, tmp + src_b, dst, mid);
+    if (e.dst_out.active) e.dst_out.run(s, tmp + src_b, dst, mid);
     args.clear();  // drop references to the caller's buffers
 }
 

@@ -18,14 +18,13 @@ from cpu_layout import runtime
 
 
 class _Emitter:
-    def __init__(self, debug: bool):
+    def __init__(self):
         self.lines: List[str] = []
         self.globals: Dict[str, object] = {
             "to_order": runtime.to_order,
             "check_layout": runtime.check_layout,
             "restride": runtime.restride,
         }
-        self.debug = debug
         self._k = 0
 
     def constant(self, value, prefix="_k") -> str:
@@ -47,6 +46,11 @@ class _Emitter:
         if isinstance(a, float) and math.isfinite(a):
             return repr(a)
         return self.constant(a)
+
+    def render_call(self, fn: str, args, kwargs, names: Dict[ir.Buffer, str]) -> str:
+        parts = [self.render(a, names) for a in args]
+        parts += [f"{k}={self.render(v, names)}" for k, v in kwargs.items()]
+        return f"{fn}(" + ", ".join(parts) + ")"
 
     def emit(self, line: str):
         self.lines.append("    " + line)
@@ -89,7 +93,7 @@ def _canonical_eager_order(b: ir.Buffer):
 def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
     """Python source of `call(args)` and its globals. `runners` maps nodes to
     the callables that execute them (convs, kernels, ATen wrappers)."""
-    em = _Emitter(debug)
+    em = _Emitter()
     inputs = [n for n in g.nodes if isinstance(n, ir.Input)]
     last_use: Dict[ir.Buffer, ir.Node] = {}
     for n in g.nodes:
@@ -123,14 +127,10 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
         elif isinstance(n, ir.Getitem):
             call = f"{names.get(n.inputs[0], n.inputs[0].name)}[{n.index}]"
         elif isinstance(n, ir.Pointwise):
-            target, args, kwargs = n.aten
-            call = f"{fn}(" + ", ".join(
-                [em.render(a, names) for a in args] + [f"{k}={em.render(v, names)}" for k, v in kwargs.items()]
-            ) + ")"
+            _target, args, kwargs = n.aten
+            call = em.render_call(fn, args, kwargs, names)
         else:
-            call = f"{fn}(" + ", ".join(
-                [em.render(a, names) for a in n.args] + [f"{k}={em.render(v, names)}" for k, v in n.kwargs.items()]
-            ) + ")"
+            call = em.render_call(fn, n.args, n.kwargs, names)
         em.emit(f"{n.out.name} = {call}")
         if debug and n.out.is_tensor and n.out.layout in L.LABELS:
             em.emit(f"check_layout({n.out.name}, {n.out.layout!r}, {n.out.name!r})")
