@@ -48,18 +48,19 @@ _BINARY = {
 }
 
 # Ops whose output takes the memory format of their (first) tensor input and
-# that accept either format: safe to run on channels-last data.
-_FOLLOW = {
-    aten.max_pool2d.default,
-    aten.avg_pool2d.default,
-    aten.upsample_nearest2d.default,
-    aten.upsample_nearest2d.vec,
-    aten.upsample_bilinear2d.default,
-    aten.upsample_bilinear2d.vec,
-    aten._native_batch_norm_legit_no_training.default,
-    aten.cat.default,
-    aten.clone.default,
-    aten.constant_pad_nd.default,
+# that accept either format: safe to run on channels-last data. The value is
+# how the planner models them (a pool's op name, or None: element-wise).
+FOLLOW_OPS = {
+    aten.max_pool2d.default: "max",
+    aten.avg_pool2d.default: "avg",
+    aten.upsample_nearest2d.default: "avg",
+    aten.upsample_nearest2d.vec: "avg",
+    aten.upsample_bilinear2d.default: "avg",
+    aten.upsample_bilinear2d.vec: "avg",
+    aten.constant_pad_nd.default: "avg",
+    aten._native_batch_norm_legit_no_training.default: None,
+    aten.cat.default: None,
+    aten.clone.default: None,
 }
 
 _FLOAT = (torch.float32, torch.bfloat16)
@@ -249,7 +250,7 @@ class Lowering:
                 out.size, out.dtype, out.eager_stride = tuple(v.shape), v.dtype, tuple(v.stride())
                 return _Picked({0: out})
             return self._aten(n, ir.EAGER)
-        if t in _FOLLOW:
+        if t in FOLLOW_OPS:
             fmt = n.kwargs.get("memory_format")
             if fmt is not None and fmt is not torch.preserve_format:
                 return self._aten(n, ir.EAGER)  # an explicit format is eager's choice, not ours

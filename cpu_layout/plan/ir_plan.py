@@ -12,20 +12,11 @@ import torch
 
 from cpu_layout import ir
 from cpu_layout import layout as L
+from cpu_layout.lower import FOLLOW_OPS
 from cpu_layout.plan import graph as pg
 from cpu_layout.plan.planner import Plan, plan
 
 aten = torch.ops.aten
-
-_POOLS = {
-    aten.max_pool2d.default: "max",
-    aten.avg_pool2d.default: "avg",
-    aten.upsample_nearest2d.default: "avg",
-    aten.upsample_nearest2d.vec: "avg",
-    aten.upsample_bilinear2d.default: "avg",
-    aten.upsample_bilinear2d.vec: "avg",
-    aten.constant_pad_nd.default: "avg",
-}
 
 
 def to_planner_graph(g: ir.Graph) -> pg.Graph:
@@ -62,8 +53,8 @@ def to_planner_graph(g: ir.Graph) -> pg.Graph:
             ins = tensors(n.inputs)
             if n.target is aten.cat.default:
                 add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0))
-            elif n.target in _POOLS:
-                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=_POOLS[n.target]))
+            elif FOLLOW_OPS.get(n.target) is not None:
+                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=FOLLOW_OPS[n.target]))
             else:
                 add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
         else:
