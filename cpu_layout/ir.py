@@ -127,6 +127,19 @@ class Kernel(Node):
 
 
 @dataclass(eq=False)
+class Reduction(Node):
+    """sum/mean/amax/amin over `dims` (non-negative, sorted) of one float
+    tensor, accumulated in float32: one generated OpenMP C++ kernel that reads
+    any strides, so its input's layout is whatever the planner chose."""
+
+    kind: str = "sum"
+    dims: tuple = ()
+    keepdim: bool = False
+    aten: Optional[tuple] = None  # (target, args, kwargs) of the ATen call it replaces
+    rule: str = FREE
+
+
+@dataclass(eq=False)
 class Aten(Node):
     """An ATen call: `args`/`kwargs` hold Buffers where the FX graph had nodes."""
 

@@ -65,6 +65,14 @@ FOLLOW_OPS = {
 
 _FLOAT = (torch.float32, torch.bfloat16)
 
+# aten overload -> reduction kind of ir.Reduction (float32 accumulation).
+REDUCTIONS = {
+    aten.mean.dim: "mean",
+    aten.sum.dim_IntList: "sum",
+    aten.amax.default: "amax",
+    aten.amin.default: "amin",
+}
+
 
 class _Picked:
     """A tuple-returning FX node whose used elements map straight to buffers
@@ -205,8 +213,26 @@ class Lowering:
         self.g.add(node)
         return out
 
+    def _reduction(self, n: FxNode):
+        x = n.args[0]
+        xv, v = self._val(x), self._val(n)
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        keepdim = bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+        if (not isinstance(xv, torch.Tensor) or xv.dtype not in _FLOAT or v.dtype != xv.dtype
+                or n.kwargs.get("dtype") is not None or not dims or xv.dim() == 0
+                or not all(type(d) is int for d in dims)):
+            return self._aten(n, ir.EAGER)  # dtype changes, full reductions, symbolic dims
+        rank = xv.dim()
+        dims = tuple(sorted({d % rank for d in dims}))
+        out = self._buffer_for(n)
+        self.g.add(ir.Reduction(n.name, [self.env[x]], out, kind=REDUCTIONS[n.target], dims=dims,
+                                keepdim=keepdim, aten=(n.target, self._arg(n.args), self._arg(n.kwargs))))
+        return out
+
     def _call(self, n: FxNode):
         t = n.target
+        if t in REDUCTIONS:
+            return self._reduction(n)
         if t is aten.convolution.default:
             return self._conv(n)
         if t is aten._native_batch_norm_legit_no_training.default:

@@ -176,6 +176,29 @@ class KernelCall:
         return out
 
 
+class ReductionCall:
+    """A generated reduction kernel: output allocated in the planned layout,
+    sizes taken from the input at run time."""
+
+    def __init__(self, kernel, compiled, out_dtype, order: str, aten):
+        self.kernel = kernel
+        self.compiled = compiled
+        self.out_dtype = out_dtype
+        self.order = order
+        self.aten = aten
+
+    def __call__(self, x):
+        k = self.kernel
+        sizes = tuple(x.shape)
+        if k.kind in ("amax", "amin") and any(sizes[d] == 0 for d in k.reduce_dims):
+            target, args, kwargs = self.aten
+            return target(x, *args[1:], **kwargs)  # ATen's own error for an empty max/min
+        out = empty_in_order(k.output_shape(sizes), self.out_dtype, self.order)
+        strides = list(x.stride()) + k.output_strides_over_input(sizes, out.stride())
+        self.compiled.call_unchecked(sizes, [x, out], strides)
+        return out
+
+
 class AtenPointwise:
     """A pointwise node run by ATen (not yet fused into a kernel): the result
     is brought to the planned layout (ATen's own choice follows its inputs)."""

@@ -38,12 +38,23 @@ def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
             b.layout = src if b.rank in (4, 5) else (ir.EAGER if src == ir.EAGER else L.CONTIGUOUS)
 
 
+def kernel_spec(n: ir.Node):
+    """The generated kernel that runs a Kernel or Reduction node."""
+    from cpu_layout.codegen import expr as E
+    from cpu_layout.codegen.cpp_kernels import PointwiseKernel, ReductionKernel
+
+    if isinstance(n, ir.Kernel):
+        return PointwiseKernel([b.dtype for b in n.inputs], [(n.expr, n.out.dtype)], n.out.rank)
+    return ReductionKernel(n.inputs[0].dtype, E.Load(0), n.kind, n.inputs[0].rank, n.dims,
+                           keepdim=n.keepdim, out_dtype=n.out.dtype)
+
+
 def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
                   kernels: bool = True) -> Dict[ir.Node, object]:
     """Plan layouts, fuse element-wise chains into kernels, and bind every
     node to what runs it. `kernels=False` keeps element-wise ops on ATen."""
     from cpu_layout import fuse
-    from cpu_layout.codegen.cpp_kernels import PointwiseKernel, compile_many
+    from cpu_layout.codegen.cpp_kernels import compile_many
 
     if choose is None:
         from cpu_layout.plan import ir_plan
@@ -52,13 +63,15 @@ def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None
     _propagate(g, choose)
     if kernels:
         fuse.fuse_pointwise(g)
-    knodes = [n for n in g.nodes if isinstance(n, ir.Kernel)]
-    specs = [PointwiseKernel([b.dtype for b in n.inputs], [(n.expr, n.out.dtype)], n.out.rank)
-             for n in knodes]
+    knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction))]
+    specs = [kernel_spec(n) for n in knodes]
     compiled = compile_many(specs, name_hint=f"graph_{len(g.nodes)}") if specs else []
     runners: Dict[ir.Node, object] = {}
-    for n, c in zip(knodes, compiled):
-        runners[n] = runtime.KernelCall(c, n.out.dtype, n.out.layout, n.out.rank)
+    for n, spec, c in zip(knodes, specs, compiled):
+        if isinstance(n, ir.Kernel):
+            runners[n] = runtime.KernelCall(c, n.out.dtype, n.out.layout, n.out.rank)
+        else:
+            runners[n] = runtime.ReductionCall(spec, c, n.out.dtype, n.out.layout, n.aten)
     for n in g.nodes:
         if isinstance(n, ir.Conv):
             runners[n] = runtime.ConvCall(n, n.out.layout)

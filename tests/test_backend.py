@@ -274,6 +274,42 @@ def test_elementwise_chain_becomes_one_generated_kernel(amp, in_format, compiled
     assert not [n for n in g.nodes if isinstance(n, ir.Pointwise)], "nothing left on ATen"
 
 
+class SqueezeExcite(nn.Module):
+    """SE block and pooled heads: mean/sum/amax over kept and reduced dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc1 = nn.Conv2d(16, 4, 1)
+        self.fc2 = nn.Conv2d(4, 16, 1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        w = torch.sigmoid(self.fc2(F.relu(self.fc1(y.mean((2, 3), keepdim=True)))))
+        z = y * w
+        return z, z.mean([2, 3]), z.sum(1), z.amax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_reductions_run_as_generated_kernels(amp, in_format, dynamic, compiled_graphs):
+    model = SqueezeExcite().eval()
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        fn = torch.compile(model, backend="cpu_layout", dynamic=dynamic, options={"debug": True})
+        for shape in ((2, 8, 12, 10), (3, 8, 7, 9)):  # distinct sizes: no duck-sized symbols
+            x = torch.randn(shape).contiguous(memory_format=fmt)
+            for y, ref in zip(fn(x), model(x)):
+                assert_matches(y, ref, amp)
+    g = compiled_graphs[0].cpu_layout_graph
+    kinds = sorted(n.kind for n in g.nodes if isinstance(n, ir.Reduction))
+    assert kinds == ["amax", "mean", "mean", "sum"], g.dump()
+    assert not [n for n in g.nodes if isinstance(n, ir.Aten) and "mean" in str(n.target)]
+    if dynamic:
+        assert len(compiled_graphs) == 1, "a new size ran without recompiling"
+
+
 class PooledOutputs(nn.Module):
     """Outputs whose eager strides differ from another layout's only at size-1 dims."""
 

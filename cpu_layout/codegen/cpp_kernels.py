@@ -619,13 +619,7 @@ class CompiledReduction(_Compiled):
             raise ValueError(f"{k.kind} over an empty dimension has no identity")
         if any(s == 0 and n > 1 for s, n in zip(out.stride(), out.shape)):
             raise ValueError("output is broadcast (stride 0); outputs must not overlap")
-        # Describe the output over the input's dims: stride 0 along the reduced ones.
-        ost, j = [0] * k.ndim, 0
-        for d in range(k.ndim):
-            if d not in k.reduce_dims:
-                ost[d] = out.stride(j) if sizes[d] != 1 else 0
-            if k.keepdim or d not in k.reduce_dims:
-                j += 1
+        ost = k.output_strides_over_input(sizes, out.stride())
         so = out.untyped_storage().data_ptr()
         for i, t in enumerate(in_tensors):
             if t.untyped_storage().data_ptr() == so:
@@ -774,6 +768,17 @@ class ReductionKernel(_Kernel):
     def output_shape(self, sizes):
         return tuple(1 if d in self.reduce_dims else s for d, s in enumerate(sizes)
                      if self.keepdim or d not in self.reduce_dims)
+
+    def output_strides_over_input(self, sizes, out_stride):
+        """The output's strides described over the input's dims (0 along reduced ones), as the
+        kernel's signature takes them."""
+        ost, j = [0] * self.ndim, 0
+        for d in range(self.ndim):
+            if d not in self.reduce_dims:
+                ost[d] = out_stride[j] if sizes[d] != 1 else 0
+            if self.keepdim or d not in self.reduce_dims:
+                j += 1
+        return ost
 
     def _key(self):
         return ("red", self.input_dtypes, self.prologue, self.kind, self.ndim, self.reduce_dims,

@@ -58,7 +58,7 @@ class _Emitter:
 
 def _required(node: ir.Node, b: ir.Buffer):
     """The order `node` needs input `b` in, or None for as it is."""
-    if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem, ir.Kernel)):
+    if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem, ir.Kernel, ir.Reduction)):
         return None  # convs and kernels read any strides; getitem only picks
     if isinstance(node, ir.Output) or node.rule == ir.EAGER:
         order = b.eager_order()
@@ -122,7 +122,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
             em.emit("return (" + "".join(f"{v}, " for v in vals) + ")")
             break
         fn = None if isinstance(n, ir.Getitem) else em.constant(runners[n], prefix=f"_{type(n).__name__.lower()}")
-        if isinstance(n, (ir.Conv, ir.Kernel)):
+        if isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction)):
             call = f"{fn}(" + ", ".join(names.get(b, b.name) for b in n.inputs) + ")"
         elif isinstance(n, ir.Getitem):
             call = f"{names.get(n.inputs[0], n.inputs[0].name)}[{n.index}]"

@@ -49,6 +49,9 @@ def to_planner_graph(g: ir.Graph) -> pg.Graph:
                         dilation=n.dilation, groups=n.groups, bias=n.bias is not None))
         elif isinstance(n, ir.Pointwise):
             add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op))
+        elif isinstance(n, ir.Reduction):
+            add(pg.Reduction(b.name, tensors(n.inputs), b.size, b.dtype, dims=n.dims,
+                             keepdim=n.keepdim, op=n.kind))
         elif isinstance(n, ir.Aten) and n.rule == ir.FOLLOW:
             ins = tensors(n.inputs)
             if n.target is aten.cat.default:
