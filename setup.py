@@ -1,4 +1,22 @@
-from setuptools import setup
+import os
+import shutil
 
-# Metadata lives in pyproject.toml; this file only wires the cffi extension.
-setup(cffi_modules=["csrc/build_ffi.py:ffibuilder"])
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+# Headers the generated cpp_wrapper code is built against; an installed
+# (non-editable) package finds them in cpu_layout/csrc/.
+RUNTIME_HEADERS = ("cl_api.h", "cl_wrapper.h")
+
+
+class BuildPyWithHeaders(build_py):
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "cpu_layout", "csrc")
+        os.makedirs(dst, exist_ok=True)
+        for name in RUNTIME_HEADERS:
+            shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name), dst)
+
+
+# Metadata lives in pyproject.toml; this file wires the cffi extension and the headers.
+setup(cffi_modules=["csrc/build_ffi.py:ffibuilder"], cmdclass={"build_py": BuildPyWithHeaders})

@@ -22,10 +22,9 @@ from cpu_layout import config
 log = logging.getLogger("cpu_layout")
 
 KNOWN_OPTIONS = {"cpp_wrapper", "debug"}
-# The whole-graph C++ wrapper (options={"cpp_wrapper": True} or
-# CPU_LAYOUT_CPP_WRAPPER=1) is not built yet: asking for it is an error with
-# that reason rather than a silent downgrade to the Python wrapper.
-CPP_WRAPPER_IMPLEMENTED = False
+# options={"cpp_wrapper": True} or CPU_LAYOUT_CPP_WRAPPER=1: the graph's work
+# in C++ segments (codegen/cpp_wrapper.py); scripts read this flag.
+CPP_WRAPPER_IMPLEMENTED = True
 
 
 class CompileError(RuntimeError):
@@ -50,8 +49,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     params = _static_input_indices(len(example_inputs))
     g = lower.lower(gm, params)
     fuse.fuse_conv_epilogues(g)
-    runners = schedule.plan_and_bind(g)
     debug = bool(options.get("debug", config.debug()))
+    cpp = bool(options.get("cpp_wrapper", config.cpp_wrapper_default()))
+    if cpp:
+        from cpu_layout.codegen import cpp_wrapper
+
+        schedule.plan(g)
+        runners = cpp_wrapper.build(g, debug=debug)
+    else:
+        runners = schedule.plan_and_bind(g)
     source, env = wrapper.generate(g, runners, debug=debug)
     if config.log_enabled("wrapper"):
         print(source, file=sys.stderr)
@@ -61,6 +67,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     call._boxed_call = True
     call.cpu_layout_source = source
     call.cpu_layout_graph = g
+    call.cpu_layout_cpp_wrapper = cpp
     if config.log_enabled("compile"):
         print(f"cpu_layout: compiled graph with {len(g.nodes)} nodes in "
               f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)
@@ -84,11 +91,6 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     unknown = set(options) - KNOWN_OPTIONS
     if unknown:
         raise ValueError(f"cpu_layout: unknown options {sorted(unknown)}; known: {sorted(KNOWN_OPTIONS)}")
-    if options.get("cpp_wrapper", config.cpp_wrapper_default()) and not CPP_WRAPPER_IMPLEMENTED:
-        raise NotImplementedError(
-            "cpu_layout: the C++ wrapper mode (cpp_wrapper / CPU_LAYOUT_CPP_WRAPPER=1) is not "
-            "implemented yet; compile without it to use the default wrapper"
-        )
     if torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
     ):

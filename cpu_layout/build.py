@@ -36,6 +36,13 @@ CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"
 _STDERR_LIMIT = 4000
 
 
+def torch_link_flags() -> tuple:
+    """Link against libtorch_cpu (the ATen C shim cpp_wrapper segments call).
+    torch has already loaded it, so the rpath only matters outside torch."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return (f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+
+
 class BuildError(RuntimeError):
     """The compiler rejected generated code. ``source_path`` is kept for inspection."""
 
@@ -175,7 +182,9 @@ def _compile(source, src_path, so_path, flags):
     _atomic_write(src_path, source.encode())
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(so_path), prefix=".tmp-", suffix=".so")
     os.close(fd)
-    cmd = [CXX, *flags, src_path, "-o", tmp]
+    # Libraries after the source, or the linker drops them as unneeded.
+    libs = [f for f in flags if f.startswith(("-l", "-L", "-Wl,"))]
+    cmd = [CXX, *[f for f in flags if f not in libs], src_path, "-o", tmp, *libs]
     _log("compile: " + " ".join(cmd))
     stats["compiles"] += 1
     try:

@@ -35,6 +35,8 @@ class Buffer:
     # Module state (parameter/buffer) or computed only from module state (e.g. an
     # autocast copy of a weight): computed once, recomputed only when a source changes.
     constant: bool = False
+    # A symbolic-int graph input: the sympy symbol it carries (its value sizes other buffers).
+    sym: Any = None
 
     @property
     def is_tensor(self) -> bool:
@@ -98,6 +100,9 @@ class Conv(Node):
     dilation: tuple = ()
     groups: int = 1
     bn: Optional[BatchNormFold] = None
+    # cpp_wrapper mode: the batch-norm was folded by a constant node ahead of
+    # the conv (its weight and bias inputs are already folded); bn is then None.
+    prefolded: Optional[BatchNormFold] = None
     post_ops: list = field(default_factory=list)
     rule: str = FREE
 
@@ -150,6 +155,18 @@ class Aten(Node):
 
 
 @dataclass(eq=False)
+class Segment(Node):
+    """cpp_wrapper mode: a run of nodes compiled into one C++ function.
+    inputs: the tensors it reads (activations, then module constants), then
+    Python ints it reads sizes from; its outputs are picked by Getitem nodes."""
+
+    members: list = field(default_factory=list)
+    n_activations: int = 0
+    n_constants: int = 0
+    rule: str = FREE
+
+
+@dataclass(eq=False)
 class Getitem(Node):
     index: int = 0
     rule: str = FOLLOW
@@ -196,8 +213,15 @@ class Graph:
             old.users.remove(node)
         new.users.append(node)
 
+    def walk(self):
+        """Every node, including those inside cpp_wrapper segments."""
+        for n in self.nodes:
+            if isinstance(n, Segment):
+                yield from n.members
+            yield n
+
     def convs(self) -> List[Conv]:
-        return [n for n in self.nodes if isinstance(n, Conv)]
+        return [n for n in self.walk() if isinstance(n, Conv)]
 
     def dump(self) -> str:
         lines = []

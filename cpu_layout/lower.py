@@ -288,6 +288,9 @@ class Lowering:
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
                 out = self._buffer_for(n, prefix="arg")
+                v = self._val(n)
+                if isinstance(v, torch.SymInt):
+                    out.sym = v.node.expr
                 node = ir.Input(n.name, [], out, index=index, is_param=index in self.params)
                 out.constant = node.is_param and out.is_tensor
                 self.g.add(node)

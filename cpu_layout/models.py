@@ -240,6 +240,19 @@ class UNet(nn.Module):
         return self.out(d1)
 
 
+class PlainConvNet(nn.Module):
+    """`layers` 3x3 convs of `channels` channels with ReLU: per-call overhead dominates."""
+
+    def __init__(self, layers: int = 5, channels: int = 16):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=1) for _ in range(layers))
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = F.relu(conv(x))
+        return x
+
+
 def _init(model: nn.Module, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -267,11 +280,18 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
 }
 
 
+# Not in the suite: for measuring wrapper overhead (scripts/bench_wrapper.py).
+SMALL_MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
+    "conv5x16": (PlainConvNet, (1, 16, 16, 16)),
+}
+
+
 def build(name: str, batch_size: int = 0, seed: int = 0):
     """(model, example input) for a built-in model; batch_size > 0 overrides the default."""
-    if name not in MODELS:
-        raise KeyError(f"unknown model {name!r}; built-in: {', '.join(MODELS)}")
-    ctor, shape = MODELS[name]
+    known = {**MODELS, **SMALL_MODELS}
+    if name not in known:
+        raise KeyError(f"unknown model {name!r}; built-in: {', '.join(known)}")
+    ctor, shape = known[name]
     torch.manual_seed(seed)
     model = _init(ctor(), seed)
     if batch_size > 0:

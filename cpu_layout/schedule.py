@@ -49,12 +49,11 @@ def kernel_spec(n: ir.Node):
                            keepdim=n.keepdim, out_dtype=n.out.dtype)
 
 
-def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
-                  kernels: bool = True) -> Dict[ir.Node, object]:
-    """Plan layouts, fuse element-wise chains into kernels, and bind every
-    node to what runs it. `kernels=False` keeps element-wise ops on ATen."""
+def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
+         kernels: bool = True) -> None:
+    """Plan layouts and fuse element-wise chains into kernels.
+    `kernels=False` keeps element-wise ops on ATen."""
     from cpu_layout import fuse
-    from cpu_layout.codegen.cpp_kernels import compile_many
 
     if choose is None:
         from cpu_layout.plan import ir_plan
@@ -63,9 +62,18 @@ def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None
     _propagate(g, choose)
     if kernels:
         fuse.fuse_pointwise(g)
+
+
+def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str = ""):
+    """Compile the graph's kernels (and `extra_kernels`, plus any extra C++
+    with its cdef, into the same library: one compiler run) and bind every
+    node to what runs it. Returns (runners, library or None)."""
+    from cpu_layout.codegen.cpp_kernels import compile_library
+
     knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction))]
     specs = [kernel_spec(n) for n in knodes]
-    compiled = compile_many(specs, name_hint=f"graph_{len(g.nodes)}") if specs else []
+    compiled, library = compile_library(specs + list(extra_kernels), name_hint=f"graph_{len(g.nodes)}",
+                                        extra_source=extra_source, extra_cdef=extra_cdef)
     runners: Dict[ir.Node, object] = {}
     for n, spec, c in zip(knodes, specs, compiled):
         if isinstance(n, ir.Kernel):
@@ -81,4 +89,11 @@ def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None
             runners[n] = n.target
         if n in runners and n.out is not None and n.out.constant:
             runners[n] = runtime.Memoized(runners[n])
-    return runners
+    return runners, library
+
+
+def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
+                  kernels: bool = True) -> Dict[ir.Node, object]:
+    """Plan, fuse and bind (the default wrapper's whole schedule)."""
+    plan(g, choose, kernels)
+    return bind(g)[0]

@@ -20,6 +20,13 @@ from cpu_layout import ir, models
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 
+@pytest.fixture(autouse=True, params=["default", "cpp"])
+def wrapper(request, monkeypatch):
+    """Every test here runs under both wrappers (CPU_LAYOUT_CPP_WRAPPER selects)."""
+    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def strict(monkeypatch):
     monkeypatch.setenv("CPU_LAYOUT_STRICT", "1")
@@ -76,7 +83,7 @@ def test_builtin_models_static(name, amp, compiled_graphs):
     assert len(compiled_graphs) == 1, "one graph, no breaks"
     g = compiled_graphs[0].cpu_layout_graph
     assert g.convs(), "convolutions ran on cpu_layout's oneDNN path"
-    assert not [n for n in g.nodes if isinstance(n, ir.Aten) and
+    assert not [n for n in g.walk() if isinstance(n, ir.Aten) and
                 n.target is torch.ops.aten.convolution.default], "no conv fell back to ATen"
 
 
@@ -111,7 +118,7 @@ def test_residual_epilogue_and_batchnorm_are_fused(compiled_graphs):
     run_both(model, x)
     g = compiled_graphs[0].cpu_layout_graph
     convs = g.convs()
-    assert all(c.bn is not None for c in convs), "every conv+BN pair is folded"
+    assert all(c.bn is not None or c.prefolded is not None for c in convs), "every conv+BN pair is folded"
     adds = [c for c in convs if any(isinstance(p, tuple) and p[0] == "add" for p in c.post_ops)]
     assert len(adds) == 8, "each basic block's residual add (and its ReLU) is a post-op"
     assert all(c.post_ops[-1] == "relu" for c in adds)
@@ -156,7 +163,7 @@ def test_unsupported_op_falls_back_to_aten_inside_the_graph(compiled_graphs):
         _, y, ref = run_both(model, x)
     assert_matches(y, ref)
     g = compiled_graphs[0].cpu_layout_graph
-    assert [n for n in g.nodes if isinstance(n, ir.Aten) and n.target is torch.ops.aten.cumsum.default]
+    assert [n for n in g.walk() if isinstance(n, ir.Aten) and n.target is torch.ops.aten.cumsum.default]
     assert len(g.convs()) == 2
 
 
@@ -209,17 +216,6 @@ def test_load_state_dict_and_in_place_updates_after_compile(amp):
         assert_matches(fn(x), model(x), amp)
 
 
-def test_cpp_wrapper_request_is_refused_with_the_reason(monkeypatch):
-    fn = torch.compile(ConvFlattenLinear().eval(), backend="cpu_layout", options={"cpp_wrapper": True})
-    with pytest.raises(Exception, match="C\+\+ wrapper mode .* not implemented yet"):
-        fn(torch.randn(2, 3, 16, 16))
-    torch._dynamo.reset()
-    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1")
-    fn = torch.compile(ConvFlattenLinear().eval(), backend="cpu_layout")
-    with pytest.raises(Exception, match="not implemented yet"):
-        fn(torch.randn(2, 3, 16, 16))
-
-
 def test_training_graph_is_not_compiled():
     model = ConvFlattenLinear()  # parameters require grad
     x = torch.randn(2, 3, 16, 16)
@@ -268,10 +264,10 @@ def test_elementwise_chain_becomes_one_generated_kernel(amp, in_format, compiled
     _, y, ref = run_both(model, x, amp=amp)
     assert_matches(y, ref, amp)
     g = compiled_graphs[0].cpu_layout_graph
-    kernels = [n for n in g.nodes if isinstance(n, ir.Kernel)]
+    kernels = [n for n in g.walk() if isinstance(n, ir.Kernel)]
     # mul, add, sigmoid, mul, sub, clamp: one loop (AMP adds cast kernels beside it).
     assert max(k.members for k in kernels) == 6, g.dump()
-    assert not [n for n in g.nodes if isinstance(n, ir.Pointwise)], "nothing left on ATen"
+    assert not [n for n in g.walk() if isinstance(n, ir.Pointwise)], "nothing left on ATen"
 
 
 class SqueezeExcite(nn.Module):
@@ -303,9 +299,9 @@ def test_reductions_run_as_generated_kernels(amp, in_format, dynamic, compiled_g
             for y, ref in zip(fn(x), model(x)):
                 assert_matches(y, ref, amp)
     g = compiled_graphs[0].cpu_layout_graph
-    kinds = sorted(n.kind for n in g.nodes if isinstance(n, ir.Reduction))
+    kinds = sorted(n.kind for n in g.walk() if isinstance(n, ir.Reduction))
     assert kinds == ["amax", "mean", "mean", "sum"], g.dump()
-    assert not [n for n in g.nodes if isinstance(n, ir.Aten) and "mean" in str(n.target)]
+    assert not [n for n in g.walk() if isinstance(n, ir.Aten) and "mean" in str(n.target)]
     if dynamic:
         assert len(compiled_graphs) == 1, "a new size ran without recompiling"
 

@@ -166,10 +166,24 @@ def ordered(bits):
     return torch.where(b < 0, -(b & 0x7FFF), b)
 
 
+# Eager's own gelu(+inf) depends on the CPU's vector ISA (inf with AVX2, NaN with
+# AVX-512): there either answer matches eager somewhere, so those elements are skipped.
+ISA_DEPENDENT_AT_INF = {"gelu"}
+
+
+def _skip_isa_dependent(name, x, got, ref):
+    if name in ISA_DEPENDENT_AT_INF:
+        keep = ~x.isinf()
+        return got[keep], ref[keep]
+    return got, ref
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_op_float32(op_results, name):
     (x, y, z), outs = op_results[f32]
     ref = eager(name, x, y, z)
+    outs = dict(outs)
+    outs[name], ref = _skip_isa_dependent(name, x, outs[name], ref)
     if name in LIBM:
         torch.testing.assert_close(outs[name], ref, rtol=1e-5, atol=1e-6, equal_nan=True)
     else:
@@ -181,6 +195,7 @@ def test_op_bfloat16(op_results, name):
     (x, y, z), outs = op_results[bf16]
     got = outs[name]
     ref = eager(name, x.float(), y.float(), z.float()).to(bf16)
+    got, ref = _skip_isa_dependent(name, x, got, ref)
     assert torch.equal(got.isnan(), ref.isnan())
     ok = ~ref.isnan()
     ulps = (ordered(got[ok]) - ordered(ref[ok])).abs()

@@ -58,8 +58,8 @@ class _Emitter:
 
 def _required(node: ir.Node, b: ir.Buffer):
     """The order `node` needs input `b` in, or None for as it is."""
-    if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem, ir.Kernel, ir.Reduction)):
-        return None  # convs and kernels read any strides; getitem only picks
+    if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem, ir.Kernel, ir.Reduction, ir.Segment)):
+        return None  # convs and kernels read any strides (segments convert inside); getitem only picks
     if isinstance(node, ir.Output) or node.rule == ir.EAGER:
         order = b.eager_order()
         return None if order == ir.EAGER else order
@@ -90,9 +90,12 @@ def _canonical_eager_order(b: ir.Buffer):
     return None
 
 
-def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
+def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
+             raw_outputs: bool = False):
     """Python source of `call(args)` and its globals. `runners` maps nodes to
-    the callables that execute them (convs, kernels, ATen wrappers)."""
+    the callables that execute them (convs, kernels, ATen wrappers, C++
+    segments). `raw_outputs`: return buffers as computed (planned strides),
+    for callers that are not graph outputs (the cpp_wrapper prologue)."""
     em = _Emitter()
     inputs = [n for n in g.nodes if isinstance(n, ir.Input)]
     last_use: Dict[ir.Buffer, ir.Node] = {}
@@ -108,7 +111,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
             continue
         names: Dict[ir.Buffer, str] = {}
         for b in n.inputs:
-            order = _required(n, b)
+            order = None if raw_outputs and isinstance(n, ir.Output) else _required(n, b)
             if order is not None and b not in names and not _planned_strides_match(b, order):
                 tmp = f"{b.name}_{'cl' if order == L.CHANNELS_LAST else 'cf'}"
                 em.emit(f"{tmp} = to_order({b.name}, {order!r})")
@@ -117,12 +120,23 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
             vals = []
             for v in n.values:
                 text = em.render(v, names)
-                order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) else None
+                order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) and not raw_outputs else None
                 vals.append(f"restride({text}, {order!r})" if order else text)
             em.emit("return (" + "".join(f"{v}, " for v in vals) + ")")
             break
         fn = None if isinstance(n, ir.Getitem) else em.constant(runners[n], prefix=f"_{type(n).__name__.lower()}")
-        if isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction)):
+        handed = []
+        if isinstance(n, ir.Segment):
+            # Activations go in a list the segment empties: with no other name
+            # left for them here, it can free each at its last use inside.
+            acts = n.inputs[:n.n_activations]
+            em.emit("_in = [" + ", ".join(names.get(b, b.name) for b in acts) + "]")
+            handed = [b.name for b in dict.fromkeys(acts) if last_use.get(b) is n and b not in names]
+            if handed:
+                em.emit("del " + ", ".join(handed))
+            rest = [names.get(b, b.name) for b in n.inputs[n.n_activations:]]
+            call = f"{fn}(_in, " + ", ".join(rest) + ")"
+        elif isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction)):
             call = f"{fn}(" + ", ".join(names.get(b, b.name) for b in n.inputs) + ")"
         elif isinstance(n, ir.Getitem):
             call = f"{names.get(n.inputs[0], n.inputs[0].name)}[{n.index}]"
@@ -134,7 +148,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False):
         em.emit(f"{n.out.name} = {call}")
         if debug and n.out.is_tensor and n.out.layout in L.LABELS:
             em.emit(f"check_layout({n.out.name}, {n.out.layout!r}, {n.out.name!r})")
-        dead = [b.name for b in dict.fromkeys(n.inputs) if last_use.get(b) is n]
+        dead = [b.name for b in dict.fromkeys(n.inputs) if last_use.get(b) is n and b.name not in handed]
         dead += list(names.values())
         if dead:
             em.emit("del " + ", ".join(dead))

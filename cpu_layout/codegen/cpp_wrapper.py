@@ -1,0 +1,786 @@
+"""cpp_wrapper mode: the graph's work as C++ functions, entered once each per forward.
+
+After planning and fusion the graph is rewritten into three parts:
+
+* a **prologue** (Python, memoized as one unit): every node computed from
+  module state alone (batch-norm folding, autocast copies of weights, weight
+  transposes). It runs again only when a parameter's storage or version
+  counter changed, and then also packs the constants each segment reads
+  (address, weight serial, version) into one int64 array per segment.
+* **segments**: maximal runs of nodes that can run in C++ (the rule is
+  `runs_in_cpp`), each emitted as one `extern "C"` function in one library
+  with the graph's kernels. Tensors cross the boundary as ATen tensor
+  handles: activations handed over (the segment owns and frees them),
+  results handed back without a copy.
+* **Python nodes** between segments: ATen ops the C shim has no entry for.
+  A graph whose ops are all supported is one segment: one foreign call per
+  forward, plus the prologue's key check.
+
+Inside a segment every buffer is freed after its last consumer ran, and a
+buffer dying just before an allocation of the same dtype and byte size
+(equal symbolic expressions) lends its storage to it, so peak memory is the
+schedule's, never more than the default wrapper's. Sizes are computed at run
+time: convs, kernels and reductions from their inputs' sizes, views from the
+symbolic sizes (codegen.sizes), so a new batch size runs without recompiling.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from cpu_layout import ir
+from cpu_layout import layout as L
+from cpu_layout import ops, runtime
+from cpu_layout.codegen import sizes as S
+
+aten = torch.ops.aten
+
+_ES = {torch.float32: 4, torch.bfloat16: 2}
+_CL_DTYPE = {torch.float32: "CL_F32", torch.bfloat16: "CL_BF16"}
+VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
+            aten.unsqueeze.default)
+# ATen ops a segment runs through libtorch's C shim (aoti_torch_cpu_*).
+SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, aten.addmm.default,
+            aten.mm.default)
+
+
+def _csrc(name: str) -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "..", "..", "csrc"), os.path.join(here, "..", "csrc")):
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    raise FileNotFoundError(f"cpp_wrapper needs csrc/{name} (install cpu_layout from its source tree)")
+
+
+# ---- which nodes run in C++ ------------------------------------------------------
+
+def _float_tensor(b) -> bool:
+    return isinstance(b, ir.Buffer) and b.is_tensor and b.dtype in _ES
+
+
+def _static(v) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_static(x) for x in v)
+    return v is None or type(v) in (int, float, bool)
+
+
+def _weight_format(b: ir.Buffer) -> Optional[int]:
+    """oneDNN's w_cl flag for a constant weight in its eager strides, None if neither dense form."""
+    if L.same_sizes(b.eager_stride, L.contiguous_strides(b.size)):
+        return 0
+    if b.rank in (4, 5) and L.is_in_order(b.size, b.eager_stride, L.CHANNELS_LAST):
+        return 1
+    return None
+
+
+def runs_in_cpp(n: ir.Node) -> bool:
+    """THE rule: a node runs inside a C++ segment when it is
+    - a convolution on constant float weights (the extension's oneDNN path),
+    - a fused element-wise kernel or a reduction (generated code),
+    - an ATen op libtorch's C shim exports (SHIM_OPS) with float tensors and
+      static arguments, or a view whose sizes print as C++ (VIEW_OPS).
+    Everything else (other ATen ops, symbolic scalar arithmetic, ops on
+    integer tensors) is a Python node between segments."""
+    if isinstance(n, ir.Conv):
+        w = n.weight
+        return (n.bn is None and w.constant and _weight_format(w) is not None
+                and all(_float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
+                and (n.bias is None or n.bias.constant))
+    if isinstance(n, ir.Kernel):
+        return all(_float_tensor(b) for b in n.inputs) and n.out.rank <= 16
+    if isinstance(n, ir.Reduction):
+        return _float_tensor(n.inputs[0])
+    if not isinstance(n, ir.Aten) or n.multi or not _float_tensor(n.out):
+        return False
+    if not all(_float_tensor(b) for b in n.inputs if b.is_tensor):
+        return False
+    if n.target in VIEW_OPS:
+        try:
+            [S.cexpr(s) for s in n.out.size]
+        except NotImplementedError:
+            return False
+        return n.target in (aten.view.default, aten._unsafe_view.default) or _static(n.args[1:])
+    if n.target in SHIM_OPS:
+        if n.kwargs:
+            return False
+        if n.target is aten.cat.default:
+            return _static(n.args[1:]) and all(isinstance(t, ir.Buffer) for t in n.args[0])
+        if n.target is aten.addmm.default:
+            return _static(n.args[3:]) and n.inputs[0].rank in (1, 2)
+        return _static(n.args[1:])
+    return False
+
+
+# ---- IR rewriting ------------------------------------------------------------------
+
+def _hoist_batch_norm(g: ir.Graph) -> None:
+    """Folded batch-norm as explicit constant nodes, so convs read plain weights."""
+    for conv in [n for n in g.nodes if isinstance(n, ir.Conv) and n.bn is not None]:
+        bn, w, b = conv.bn, conv.weight, conv.bias
+        src = (w, b, bn.weight, bn.bias, bn.mean, bn.var)
+        if not all(s is None or s.constant for s in src):
+            continue
+        pair = g.new_buffer("fold")
+        pair.constant = True
+        fold = ir.Aten(f"{conv.name}_fold", [s for s in src if s is not None], pair, rule=ir.EAGER,
+                       target=runtime.Memoized(functools.partial(runtime.fold_batch_norm, eps=bn.eps)),
+                       args=src, multi=True)
+        oc = w.size[0]
+        new_w = g.new_buffer("w", size=w.size, dtype=w.dtype, eager_stride=L.contiguous_strides(w.size))
+        new_b = g.new_buffer("b", size=(oc,), dtype=w.dtype, eager_stride=(1,))
+        pos = g.nodes.index(conv)
+        g.nodes.insert(pos, fold)
+        for s in fold.inputs:
+            s.users.append(fold)
+        pair.producer = fold
+        for i, nb in enumerate((new_w, new_b)):
+            nb.constant = True
+            nb.layout = ir.EAGER
+            gi = ir.Getitem(f"{conv.name}_fold{i}", [pair], nb, index=i)
+            g.nodes.insert(pos + 1 + i, gi)
+            pair.users.append(gi)
+            nb.producer = gi
+        for s in {x for x in (b, bn.weight, bn.bias, bn.mean, bn.var) if x is not None}:
+            while conv in s.users:
+                s.users.remove(conv)
+        residuals = [p[1] for p in conv.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        conv.inputs = [conv.x, new_w, new_b] + residuals
+        while conv in w.users:
+            w.users.remove(conv)
+        new_w.users.append(conv)
+        new_b.users.append(conv)
+        conv.weight, conv.bias, conv.bn, conv.prefolded = new_w, new_b, None, bn
+
+
+def _remove_dead(g: ir.Graph) -> None:
+    live = set(ir.values_of(g.output.values))
+    for n in reversed(g.nodes):
+        if isinstance(n, (ir.Input, ir.Output)):
+            continue
+        if n.out is None or (n.out not in live and not n.out.users):
+            g.remove(n)
+            continue
+        live.update(n.inputs)
+
+
+class _Prologue:
+    """Module-state nodes as one memoized Python function, plus each segment's constant pack."""
+
+    def __init__(self, fn, exports, packs, ffi):
+        self.fn = fn
+        self.exports = exports          # Buffers it returns, in order
+        self.packs = packs              # per segment: [(export index, is conv weight, size, Buffer)]
+        self.ffi = ffi
+        self.key = None
+        self.value = None
+
+    def __call__(self, *params):
+        key = tuple((p.data_ptr(), p._version) if isinstance(p, torch.Tensor) else p for p in params)
+        if key == self.key and self.value is not None:
+            return self.value
+        vals = tuple(self.fn(list(params)))
+        packs = []
+        for entries in self.packs:
+            flat = []
+            for idx, is_weight, size, b in entries:
+                t = vals[idx]
+                want = _static_strides(b)
+                if tuple(t.shape) != size or not _same_strides(size, tuple(t.stride()), want):
+                    raise RuntimeError(
+                        f"cpu_layout: module constant {b.name} has size {tuple(t.shape)} and stride "
+                        f"{t.stride()}; the graph was compiled for {size} and {want}")
+                flat += [t.data_ptr(), ops._weight_serial(t) if is_weight else 0, t._version]
+            packs.append(self.ffi.new("int64_t[]", flat or [0]))
+        self.value = (*vals, *packs)
+        self.key = key
+        return self.value
+
+
+def _same_strides(size, got, want) -> bool:
+    """Equal strides wherever they address memory (size-1 dims ignored)."""
+    return all(n == 1 or g == w for n, g, w in zip(size, got, want))
+
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+_from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+
+class SegmentCall:
+    """Python's side of one segment: tensors in as owned handles, results back as tensors."""
+
+    calls = 0  # foreign calls made by all segments (tests count them)
+
+    def __init__(self, name: str, n_outputs: int):
+        self.name = name
+        self.n_outputs = n_outputs
+        self.fn = None
+        self.ffi = None
+
+    def bind(self, library):
+        self.library = library  # library.path[:-3] + ".cpp" is the generated source
+        self.fn = getattr(library.lib, self.name)
+        self.ffi = library.ffi
+        self._err = self.ffi.new("char[]", 1024)
+
+    def __call__(self, acts: list, pack, *scalars):
+        ffi = self.ffi
+        # The segment owns these references; clearing the list lets it free
+        # an activation at its last use when the wrapper holds no other name for it.
+        caps = _to_handles(acts) if acts else []
+        acts.clear()
+        handles = ffi.new("uintptr_t[]", [_PyCapsule_GetPointer(c, None) for c in caps] or [0])
+        del caps
+        outs = ffi.new("uintptr_t[]", max(self.n_outputs, 1))
+        sc = ffi.new("int64_t[]", [int(s) for s in scalars] or [0])
+        SegmentCall.calls += 1
+        rc = self.fn(handles, pack, sc, outs, self._err, 1024)
+        if rc != 0:
+            raise RuntimeError(f"cpu_layout: {ffi.string(self._err).decode('utf-8', 'replace')}")
+        return _from_handles([_PyCapsule_New(outs[i], None, None) for i in range(self.n_outputs)])
+
+
+# ---- C++ emission --------------------------------------------------------------------
+
+def _cl(order) -> str:
+    return "true" if order == L.CHANNELS_LAST else "false"
+
+
+def _static_strides(b: ir.Buffer) -> tuple:
+    if b.layout in L.LABELS:
+        return L.strides_for_order(b.size, b.layout)
+    return b.eager_stride
+
+
+def _arr(xs, ctype="int64_t") -> str:
+    xs = list(xs)
+    return "{" + ", ".join(str(int(x)) for x in xs) + "}" if xs else "{0}"
+
+
+class _SegmentEmitter:
+    def __init__(self, seg: ir.Segment, kernels: Dict[ir.Node, object], outs: List[ir.Buffer],
+                 sym_src: Dict, debug: bool):
+        self.seg, self.kernels, self.outs, self.debug = seg, kernels, outs, debug
+        self.lines: List[str] = []
+        self.var: Dict[ir.Buffer, str] = {}
+        self.fresh = set()   # buffers this segment allocated (may lend their storage)
+        self.aliased = set()  # buffers some view aliases (never lent)
+        self.sym_src = sym_src
+
+    def emit(self, s: str):
+        self.lines.append("    " + s)
+
+    def v(self, b: ir.Buffer) -> str:
+        return self.var[b]
+
+    def begin(self, n: ir.Node):
+        """Declare the node's output handle and open its block."""
+        self.emit(f"// {n.name}: {type(n).__name__}")
+        self.emit(f"clw::H t_{n.out.name};")
+        self.emit("{")
+
+    def end(self, n: ir.Node):
+        self.var[n.out] = f"t_{n.out.name}"
+        self.emit("}")
+
+    def alloc(self, out: ir.Buffer, nd: int, sz: str, donor: Optional[ir.Buffer]):
+        """`tmp_out`: the output in its planned layout, on a dead buffer's storage when lent one."""
+        self.fresh.add(out)
+        es, cl = _ES[out.dtype], _cl(out.layout)
+        if donor is not None:
+            self.emit(f"  clw::H tmp_out = clw::reuse(std::move({self.v(donor)}), {nd}, {sz}, {cl}, {es});")
+        else:
+            self.emit(f"  clw::H tmp_out = clw::empty_dense({nd}, {sz}, {cl}, {es});")
+
+    def read(self, n: ir.Node, b: ir.Buffer, tag: str) -> str:
+        """A handle of `b` in the order node `n` needs (the wrapper's own rule), converting if needed."""
+        from cpu_layout.codegen.wrapper import _required
+
+        order = _required(n, b)
+        if order is None:
+            return self.v(b)
+        tmp = f"r_{tag}"
+        self.emit(f"  clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
+        return tmp
+
+    # each returns the C++ statements (inside braces) for one node
+    def conv(self, n: ir.Conv, donor):
+        nsp = n.x.rank - 2
+        dst_cl = n.out.layout == L.CHANNELS_LAST
+        wi = self.seg_const_index(n.weight)
+        bi = self.seg_const_index(n.bias) if n.bias is not None else None
+        post = [("add", torch.empty(0)) if isinstance(p, tuple) and p[0] == "add" else p for p in n.post_ops]
+        parsed = ops._parse_post_ops(post)
+        residuals = [p[1] for p in n.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        k = n.weight.size[2:]
+        e = self.emit
+        self.begin(n)
+        x = self.v(n.x)
+        e(f"  const clw::H* xs = &{x}; clw::H xc; bool scl = {str(dst_cl).lower()};")
+        e(f"  if (!clw::dense_in({x}, scl)) {{ if (clw::dense_in({x}, !scl)) scl = !scl; "
+          f"else {{ xc = clw::copy_in_order({x}, scl); xs = &xc; }} }}")
+        e("  const int64_t* xsz = clw::sizes(*xs);")
+        e("  cl_conv_args a; std::memset(&a, 0, sizeof a);")
+        e(f"  a.nsp = {nsp}; a.dtype = {_CL_DTYPE[n.x.dtype]}; a.bias_dtype = {_CL_DTYPE[n.x.dtype]};")
+        e(f"  a.has_bias = {int(n.bias is not None)}; a.src_cl = scl; a.dst_cl = {int(dst_cl)}; "
+          f"a.w_cl = {_weight_format(n.weight)};")
+        e(f"  a.n = xsz[0]; a.ic = xsz[1]; a.oc = {int(n.weight.size[0])}; a.groups = {n.groups};")
+        ic = int(n.weight.size[1]) * n.groups
+        e(f"  if (a.ic != {ic}) clw::fail(\"{n.name}: input has \" + std::to_string(a.ic) + "
+          f"\" channels, the weight expects {ic}\");")
+        for i in range(nsp):
+            kk, s, p, d = int(k[i]), n.stride[i], n.padding[i], n.dilation[i]
+            e(f"  a.in_sp[{i}] = xsz[{2 + i}]; a.k_sp[{i}] = {kk}; a.stride[{i}] = {s}; "
+              f"a.pad_l[{i}] = a.pad_r[{i}] = {p}; a.dilation[{i}] = {d};")
+            e(f"  a.out_sp[{i}] = (xsz[{2 + i}] + {2 * p} - {d * (kk - 1) + 1}) / {s} + 1;")
+            e(f"  if (xsz[{2 + i}] + {2 * p} < {d * (kk - 1) + 1}) clw::fail(\"{n.name}: kernel larger "
+              f"than the padded input\");")
+        e(f"  a.n_post_ops = {len(parsed)};")
+        for i, (kind, alpha, beta, _) in enumerate(parsed):
+            e(f"  a.post_ops[{i}].kind = {kind}; a.post_ops[{i}].alpha = {float(alpha)!r}f; "
+              f"a.post_ops[{i}].beta = {float(beta)!r}f;")
+        dims = ", ".join(["a.n", "a.oc"] + [f"a.out_sp[{i}]" for i in range(nsp)])
+        e(f"  const int64_t osz[] = {{{dims}}};")
+        self.alloc(n.out, nsp + 2, "osz", donor)
+        res_names = []
+        for j, r in enumerate(residuals):
+            e(f"  clw::H res{j}_c; const clw::H& res{j} = clw::ordered({self.v(r)}, {str(dst_cl).lower()}, res{j}_c);")
+            e(f"  if (clw::dim(res{j}) != {nsp + 2} || !std::equal(osz, osz + {nsp + 2}, clw::sizes(res{j})))")
+            e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
+            res_names.append(f"clw::addr(res{j})")
+        e(f"  const uintptr_t res[] = {{{', '.join(res_names) or '0'}}};")
+        bias = f"(uintptr_t)consts[{3 * bi}]" if bi is not None else "0"
+        e(f"  if (clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts[{3 * wi}], "
+          f"(unsigned long long)consts[{3 * wi + 1}], consts[{3 * wi + 2}], {bias}, clw::addr(tmp_out), "
+          f"{'res' if residuals else 'nullptr'}))")
+        e(f"    clw::fail(std::string(\"{n.name}: \") + clw::conv_error());")
+        e(f"  t_{n.out.name} = std::move(tmp_out);")
+        self.end(n)
+
+    def kernel(self, n: ir.Kernel, donor):
+        spec = self.kernels[n]
+        nd, ni = n.out.rank, len(n.inputs)
+        e = self.emit
+        self.begin(n)
+        ins = [self.v(b) for b in n.inputs]
+        e(f"  const clw::H* ins[] = {{{', '.join('&' + i for i in ins)}}};")
+        e(f"  int64_t sz[{max(nd, 1)}]; clw::broadcast_sizes(ins, {ni}, {nd}, sz);")
+        self.alloc(n.out, nd, "sz", donor)
+        e(f"  int64_t st[{max((ni + 1) * nd, 1)}];")
+        for i, name in enumerate(ins):
+            e(f"  clw::broadcast_strides({name}, {nd}, sz, st + {i * nd});")
+        e(f"  {{ const int64_t* os = clw::strides(tmp_out); for (int d = 0; d < {nd}; ++d) "
+          f"st[{ni * nd} + d] = os[d]; }}")
+        e(f"  void* const d[] = {{{', '.join(f'clw::data({i})' for i in ins)}, clw::data(tmp_out)}};")
+        e(f"  {spec.name}(sz, d, st);")
+        e(f"  t_{n.out.name} = std::move(tmp_out);")
+        self.end(n)
+
+    def reduction(self, n: ir.Reduction, donor):
+        spec = self.kernels[n]
+        x = n.inputs[0]
+        nd, ond = x.rank, n.out.rank
+        e = self.emit
+        self.begin(n)
+        xv = self.v(x)
+        e(f"  const int64_t* xs = clw::sizes({xv});")
+        if n.kind in ("amax", "amin"):
+            cond = " || ".join(f"xs[{d}] == 0" for d in n.dims)
+            e(f"  if ({cond}) clw::fail(\"{n.name}: {n.kind} over an empty dimension has no identity\");")
+        osz = [("1" if d in n.dims else f"xs[{d}]") for d in range(nd) if n.keepdim or d not in n.dims]
+        e(f"  const int64_t osz[] = {{{', '.join(osz) or '1'}}};")
+        self.alloc(n.out, ond, "osz", donor)
+        e(f"  int64_t st[{2 * nd}]; const int64_t* xst = clw::strides({xv});")
+        e(f"  const int64_t* os = clw::strides(tmp_out);")
+        e(f"  for (int d = 0; d < {nd}; ++d) {{ st[d] = xst[d]; st[{nd} + d] = 0; }}")
+        j = 0
+        for d in range(nd):
+            if d not in n.dims:
+                e(f"  st[{nd + d}] = xs[{d}] != 1 ? os[{j}] : 0;")
+            if n.keepdim or d not in n.dims:
+                j += 1
+        e(f"  void* const d[] = {{clw::data({xv}), clw::data(tmp_out)}};")
+        e(f"  {spec.name}(xs, d, st);")
+        e(f"  t_{n.out.name} = std::move(tmp_out);")
+        self.end(n)
+
+    def aten_op(self, n: ir.Aten):
+        t, a = n.target, n.args
+        out = f"t_{n.out.name}"
+        e = self.emit
+        self.begin(n)
+        if t in VIEW_OPS:
+            x = self.read(n, a[0], n.out.name)
+            self.aliased.add(a[0])
+            if t in (aten.view.default, aten._unsafe_view.default):
+                dims = ", ".join(S.cexpr(s) for s in n.out.size)
+                e(f"  const int64_t nsz[] = {{{dims or '1'}}};")
+                e(f"  {out} = clw::view({x}, {n.out.rank}, nsz);")
+            elif t is aten.t.default:
+                perm = [1, 0] if a[0].rank == 2 else list(range(a[0].rank))
+                e(f"  const int perm[] = {{{', '.join(map(str, perm))}}};")
+                e(f"  {out} = clw::permute({x}, {a[0].rank}, perm);")
+            elif t is aten.permute.default:
+                perm = [d % a[0].rank for d in a[1]]
+                e(f"  const int perm[] = {{{', '.join(map(str, perm))}}};")
+                e(f"  {out} = clw::permute({x}, {a[0].rank}, perm);")
+            else:  # unsqueeze
+                d = a[1] % (a[0].rank + 1)
+                e(f"  {out} = clw::unsqueeze({x}, {d});")
+        elif t is aten.max_pool2d.default:
+            x = self.read(n, a[0], n.out.name)
+            k = list(a[1]) * (2 // len(a[1]))
+            st = list(a[2]) if len(a) > 2 and a[2] else k
+            st = st * (2 // len(st))
+            pad = _pair(a[3] if len(a) > 3 else 0)
+            dil = _pair(a[4] if len(a) > 4 else 1)
+            ceil = int(bool(a[5])) if len(a) > 5 else 0
+            e(f"  const int64_t k[] = {_arr(k)}, s[] = {_arr(st)}, p[] = {_arr(pad)}, dl[] = {_arr(dil)};")
+            e("  AtenTensorHandle o, idx;")
+            e(f"  clw::shim(aoti_torch_cpu_max_pool2d_with_indices({x}.get(), k, 2, s, 2, p, 2, dl, 2, "
+              f"{ceil}, &o, &idx), \"{n.name}: max_pool2d\");")
+            e(f"  clw::H drop(idx); {out} = clw::H(o);")
+        elif t is aten.avg_pool2d.default:
+            x = self.read(n, a[0], n.out.name)
+            k = list(a[1]) * (2 // len(a[1]))
+            st = list(a[2]) if len(a) > 2 and a[2] else k
+            st = st * (2 // len(st))
+            pad = _pair(a[3] if len(a) > 3 else 0)
+            ceil = int(bool(a[4])) if len(a) > 4 else 0
+            incl = int(bool(a[5])) if len(a) > 5 else 1
+            div = a[6] if len(a) > 6 else None
+            e(f"  const int64_t k[] = {_arr(k)}, s[] = {_arr(st)}, p[] = {_arr(pad)};")
+            if div is not None:
+                e(f"  int64_t div = {int(div)};")
+            e("  AtenTensorHandle o;")
+            e(f"  clw::shim(aoti_torch_cpu_avg_pool2d({x}.get(), k, 2, s, 2, p, 2, {ceil}, {incl}, "
+              f"{'&div' if div is not None else 'nullptr'}, &o), \"{n.name}: avg_pool2d\");")
+            e(f"  {out} = clw::H(o);")
+        elif t is aten.cat.default:
+            parts = [self.read(n, b, f"{n.out.name}_{i}") for i, b in enumerate(a[0])]
+            dim = a[1] if len(a) > 1 else 0
+            e(f"  const AtenTensorHandle parts[] = {{{', '.join(p + '.get()' for p in parts)}}};")
+            e("  AtenTensorHandle o;")
+            e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
+            e(f"  {out} = clw::H(o);")
+        else:  # addmm / mm
+            mm = t is aten.mm.default
+            names = [self.read(n, b, f"{n.out.name}_{i}") for i, b in enumerate(a[:2] if mm else a[:3])]
+            m1, m2 = (names[0], names[1]) if mm else (names[1], names[2])
+            e(f"  const int64_t osz[] = {{clw::sizes({m1})[0], clw::sizes({m2})[1]}};")
+            e(f"  {out} = clw::empty_dense(2, osz, false, {_ES[n.out.dtype]});")
+            self.fresh.add(n.out)
+            if mm:
+                e(f"  clw::shim(aoti_torch_cpu_mm_out({out}.get(), {m1}.get(), {m2}.get()), \"{n.name}: mm\");")
+            else:
+                beta = float(a[3]) if len(a) > 3 else 1.0
+                alpha = float(a[4]) if len(a) > 4 else 1.0
+                e(f"  clw::shim(aoti_torch_cpu_addmm_out({out}.get(), {names[0]}.get(), {m1}.get(), "
+                  f"{m2}.get(), {beta!r}, {alpha!r}), \"{n.name}: addmm\");")
+        if t in (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default):
+            self.fresh.add(n.out)
+        self.end(n)
+
+    def seg_const_index(self, b: ir.Buffer) -> int:
+        return self.seg_consts.index(b)
+
+
+def _pair(v):
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * (2 // len(v)) if len(v) in (1, 2) else v
+
+
+def _nbytes_key(b: ir.Buffer):
+    n = S.to_sympy(1)
+    for s in b.size:
+        n = n * S.to_sympy(s)
+    return (b.dtype, n)
+
+
+def _allocates(n: ir.Node) -> bool:
+    return isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction))
+
+
+_SIGNATURE = ("const uintptr_t* in, const int64_t* consts, const int64_t* scalars, uintptr_t* out, "
+              "char* err, int errlen")
+
+
+def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[ir.Buffer],
+                  sym_src, last_use: Dict[ir.Buffer, ir.Node], debug: bool) -> str:
+    em = _SegmentEmitter(seg, kernels, outs, sym_src, debug)
+    em.seg_consts = consts
+    acts = seg.inputs[:seg.n_activations]
+    em.emit(f"clw::H t_in[{max(len(acts), 1)}];")
+    em.emit(f"for (int i = 0; i < {len(acts)}; ++i) t_in[i] = clw::H((AtenTensorHandle)in[i]);")
+    for i, b in enumerate(acts):
+        em.var[b] = f"t_in[{i}]"
+        want = [int(x) if type(x) is int else -1 for x in b.size]
+        em.emit(f"{{ const int64_t want[] = {_arr(want)}; "
+                f"clw::expect(t_in[{i}], {_ES[b.dtype]}, {b.rank}, want, \"input {b.name}\"); }}")
+    # Module constants that kernels or ATen ops read need a tensor view of their memory.
+    needs_handle = {b for m in seg.members if not isinstance(m, ir.Conv) for b in m.inputs if b in consts}
+    for m in seg.members:
+        if isinstance(m, ir.Conv):
+            needs_handle.update(p[1] for p in m.post_ops if isinstance(p, tuple) and p[1] in consts)
+    for i, b in enumerate(consts):
+        if b in needs_handle:
+            em.emit(f"const int64_t c{i}_sz[] = {_arr(b.size)}, c{i}_st[] = {_arr(_static_strides(b))};")
+            em.emit(f"clw::H c{i} = clw::blob((uintptr_t)consts[{3 * i}], {b.rank}, c{i}_sz, c{i}_st, "
+                    f"{_ES[b.dtype]});")
+            em.var[b] = f"c{i}"
+    # Symbols the views' sizes use, read from the inputs that define them.
+    syms = set()
+    for m in seg.members:
+        if isinstance(m, ir.Aten) and m.target in (aten.view.default, aten._unsafe_view.default):
+            for s in m.out.size:
+                syms |= S.free_symbols(s)
+    for sym in sorted(syms, key=lambda s: s.name):
+        src, dim = sym_src[sym]
+        if dim is None:
+            em.emit(f"const int64_t {sym.name} = scalars[{seg.inputs.index(src) - seg.n_activations - 1}];")
+        else:
+            em.emit(f"const int64_t {sym.name} = clw::sizes({em.v(src)})[{dim}];")
+    members = seg.members
+    outset = set(outs)
+    pool: Dict[ir.Node, ir.Buffer] = {}
+    for i, m in enumerate(members):
+        donor = pool.pop(m, None)
+        if isinstance(m, ir.Conv):
+            em.conv(m, donor)
+        elif isinstance(m, ir.Kernel):
+            em.kernel(m, donor)
+        elif isinstance(m, ir.Reduction):
+            em.reduction(m, donor)
+        else:
+            em.aten_op(m)
+        if debug and m.out.layout in L.LABELS:
+            em.emit(f"clw::check_order(t_{m.out.name}, {_cl(m.out.layout)}, \"{m.out.name}\");")
+        # Free what died here; a same-size buffer the next allocation can take is lent to it.
+        dying = [b for b in dict.fromkeys(m.inputs) if last_use.get(b) is m and b in em.var
+                 and b not in outset and b not in consts]
+        nxt = members[i + 1] if i + 1 < len(members) else None
+        lend = None
+        if nxt is not None and _allocates(nxt) and _float_tensor(nxt.out):
+            want = _nbytes_key(nxt.out)
+            lend = next((b for b in dying if b in em.fresh and b not in em.aliased
+                         and _nbytes_key(b) == want), None)
+        if lend is not None:
+            pool[nxt] = lend
+        for b in dying:
+            if b is not lend:
+                em.emit(f"{em.v(b)}.reset();")
+    for j, b in enumerate(outs):
+        em.emit(f"out[{j}] = (uintptr_t){em.v(b)}.release();")
+    return (
+        f'extern "C" int {seg.name}({_SIGNATURE}) {{\n'
+
+        f"  try {{\n" + "\n".join(em.lines) + "\n"
+        f"  }} catch (const std::exception& e) {{\n    return clw::report(e, err, errlen);\n  }}\n"
+        f"  (void)consts; (void)scalars;\n  return 0;\n}}\n"
+    )
+
+
+def _symbol_sources(g: ir.Graph) -> Dict:
+    """symbol -> (graph Input tensor, dim) or (symbolic-int Input, None): where its value is read."""
+    import sympy
+
+    src = {}
+    for n in g.nodes:
+        if not isinstance(n, ir.Input):
+            continue
+        b = n.out
+        if b.is_tensor:
+            for d, s in enumerate(b.size):
+                if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
+                    src.setdefault(s.node.expr, (b, d))
+        elif isinstance(b.sym, sympy.Symbol):
+            src.setdefault(b.sym, (b, None))
+    return src
+
+
+def build(g: ir.Graph, debug: bool = False):
+    """Rewrite a planned, fused graph for cpp_wrapper mode and compile it.
+    Returns the runners the Python wrapper (codegen.wrapper) needs."""
+    from cpu_layout import schedule
+    from cpu_layout.codegen import wrapper
+
+    _hoist_batch_norm(g)
+    for n in g.nodes:
+        if isinstance(n, ir.Aten) and n.target in VIEW_OPS and runs_in_cpp(n):
+            # Its sizes come from the symbolic shape, so the scalar arithmetic
+            # that fed it in Python is no longer needed (and would split segments).
+            for b in [b for b in n.inputs if not b.is_tensor]:
+                while n in b.users:
+                    b.users.remove(n)
+            n.inputs = [b for b in n.inputs if b.is_tensor]
+    _remove_dead(g)
+    sym_src = _symbol_sources(g)
+
+    # 1. Partition: constants (prologue), C++ runs (segments), Python nodes.
+    body = [n for n in g.nodes if not isinstance(n, (ir.Input, ir.Output))]
+    const_nodes = [n for n in body if n.out is not None and n.out.constant]
+    rest = [n for n in body if not (n.out is not None and n.out.constant)]
+    groups: List[list] = []
+    for n in rest:
+        if runs_in_cpp(n):
+            if groups and isinstance(groups[-1], list):
+                groups[-1].append(n)
+            else:
+                groups.append([n])
+        else:
+            groups.append(n)
+
+    inputs = [n for n in g.nodes if isinstance(n, ir.Input)]
+    output = g.output
+    last_use: Dict[ir.Buffer, ir.Node] = {}
+    for n in g.nodes:
+        for b in n.inputs:
+            last_use[b] = n
+
+    # 2. Segments: inputs, outputs, constants.
+    seg_specs = []
+    for gi, grp in enumerate(groups):
+        if not isinstance(grp, list):
+            continue
+        inside = {m.out for m in grp}
+        members = set(grp)
+        acts, consts = [], []
+        for m in grp:
+            for b in m.inputs:
+                if not b.is_tensor or b in inside:
+                    continue
+                if b.constant:
+                    if b not in consts:
+                        consts.append(b)
+                elif b not in acts:
+                    acts.append(b)
+        outs = [b for b in inside if any(u not in members for u in b.users)
+                or b in set(ir.values_of(output.values))]
+        outs.sort(key=lambda b: grp.index(b.producer))
+        scalars = []
+        for m in grp:
+            if isinstance(m, ir.Aten) and m.target in (aten.view.default, aten._unsafe_view.default):
+                for s in m.out.size:
+                    for sym in S.free_symbols(s):
+                        if sym not in sym_src:
+                            raise NotImplementedError(f"no input defines size symbol {sym}")
+                        b, dim = sym_src[sym]
+                        if dim is None:
+                            if b not in scalars:
+                                scalars.append(b)
+                        elif b not in acts:
+                            acts.append(b)
+        seg_specs.append((gi, grp, acts, consts, outs, scalars))
+
+    # 3. The prologue: constant nodes plus the param inputs segments read, as one memoized call.
+    params = [n.out for n in inputs if n.out.constant]
+    const_set = set(const_nodes)
+    exports: List[ir.Buffer] = []
+    for n in rest + [output]:
+        for b in n.inputs:
+            if b.is_tensor and b.constant and b.producer in const_set and b not in exports:
+                exports.append(b)
+    for spec in seg_specs:
+        exports += [b for b in spec[3] if b not in exports]
+    pro_graph = ir.Graph()
+    pro_graph.nodes = [p.producer for p in params] + const_nodes
+    pro_graph.output = ir.Output("output", list(exports), None, values=list(exports))
+    pro_graph.nodes.append(pro_graph.output)
+
+    # 4. Emit segment C++ and compile it with every kernel of the graph.
+    kernels = {}
+    for _gi, grp, *_ in seg_specs:
+        for m in grp:
+            if isinstance(m, (ir.Kernel, ir.Reduction)):
+                kernels[m] = schedule.kernel_spec(m)
+    sources, cdefs, calls = [], [], []
+    segs = []
+    for k, (gi, grp, acts, consts, outs, scalars) in enumerate(seg_specs):
+        pack = g.new_buffer("pack")
+        seg_out = g.new_buffer("seg")
+        seg = ir.Segment(f"cl_segment_{k}", list(acts) + [pack] + list(scalars), seg_out,
+                         members=grp, n_activations=len(acts))
+        seg.consts = consts
+        seg.outs = outs
+        seg.pack = pack
+        segs.append((gi, seg))
+        sources.append(_emit_segment(seg, kernels, outs, consts, sym_src, last_use, debug))
+        cdefs.append(f"int {seg.name}({_SIGNATURE});")
+    header = _csrc("cl_api.h") + _csrc("cl_wrapper.h")
+    extra = header + "".join(sources) if sources else ""
+    cdef = "\n".join(cdefs + (["void cl_segment_init(uintptr_t conv, uintptr_t error);"] if sources else []))
+
+    # 5. Rebuild the main graph: inputs, prologue, then segments and Python nodes in order.
+    pro_node = None
+    new_nodes: List[ir.Node] = list(inputs)
+    pro_out = g.new_buffer("consts")
+    packs = [seg.pack for _, seg in segs]
+    if const_nodes or segs:
+        pro_node = ir.Aten("prologue", list(params), pro_out, rule=ir.FREE, target=None,
+                           args=tuple(params), multi=True)
+        new_nodes.append(pro_node)
+        for i, b in enumerate(exports + packs):
+            new_nodes.append(ir.Getitem(f"const{i}", [pro_out], b, index=i))
+    seg_of = dict(segs)
+    for gi, grp in enumerate(groups):
+        if gi in seg_of:
+            seg = seg_of[gi]
+            new_nodes.append(seg)
+            for j, b in enumerate(seg.outs):
+                new_nodes.append(ir.Getitem(f"{seg.name}_{j}", [seg.out], b, index=j))
+        else:
+            new_nodes.append(grp)
+    new_nodes.append(output)
+    # Re-link users/producers from scratch for the rewritten graph.
+    for b in g.buffers.values():
+        b.users = []
+    for n in new_nodes:
+        for b in n.inputs:
+            b.users.append(n)
+        if n.out is not None:
+            n.out.producer = n
+    g.nodes = new_nodes
+
+    # One bind over both graphs: one compiler run for every kernel and segment.
+    both = ir.Graph()
+    both.nodes = pro_graph.nodes[:-1] + g.nodes
+    runners, library = schedule.bind(both, extra_kernels=list(kernels.values()), extra_source=extra,
+                                     extra_cdef=cdef)
+    for n in const_nodes:
+        if isinstance(n, ir.Aten) and isinstance(n.target, runtime.Memoized):
+            runners[n] = n.target  # the hoisted batch-norm folds are memoized already
+    if pro_node is not None:
+        fn = None
+        if const_nodes:
+            src, env = wrapper.generate(pro_graph, runners, raw_outputs=True)
+            exec(compile(src, "<cpu_layout prologue>", "exec"), env)
+            fn = env["call"]
+        else:  # only parameters: the prologue passes them through
+            fn = (lambda ps, idx=[params.index(b) for b in exports]: tuple(ps[i] for i in idx))
+        pack_entries = []
+        for _, seg in segs:
+            weights = {m.weight for m in seg.members if isinstance(m, ir.Conv)}
+            pack_entries.append([(exports.index(b), b in weights, tuple(b.size), b)
+                                 for b in seg.consts])
+        runners[pro_node] = _Prologue(fn, exports, pack_entries, library.ffi if library else ops.ffi)
+    for _, seg in segs:
+        call = SegmentCall(seg.name, len(seg.outs))
+        call.bind(library)
+        runners[seg] = call
+    if segs:
+        lib = ops.lib
+        library.lib.cl_segment_init(
+            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_conv_forward"))),
+            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_last_error"))))
+    return runners

@@ -1,0 +1,313 @@
+/* Run-time support for cpp_wrapper segments (cpu_layout/codegen/cpp_wrapper.py).
+ *
+ * Pasted into every generated segment library after the kernel preamble and
+ * cl_api.h. Tensors are ATen tensors held through the C shim libtorch exports
+ * for Inductor's own C++ wrapper (aoti_torch_*): allocation goes through
+ * torch's CPU allocator, ATen ops the segment needs run without leaving C++,
+ * and results are handed back to Python without a copy. The declarations are
+ * written out here rather than included because torch's shim header pulls in
+ * c10 headers that would multiply the compile time of every graph.
+ */
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <algorithm>
+#include <utility>
+
+extern "C" {
+struct AtenTensorOpaque;
+typedef AtenTensorOpaque* AtenTensorHandle;
+typedef int32_t AOTITorchError;
+int32_t aoti_torch_device_type_cpu();
+int32_t aoti_torch_dtype_float32();
+int32_t aoti_torch_dtype_bfloat16();
+AOTITorchError aoti_torch_delete_tensor_object(AtenTensorHandle);
+AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle, void**);
+AOTITorchError aoti_torch_get_dim(AtenTensorHandle, int64_t*);
+AOTITorchError aoti_torch_get_sizes(AtenTensorHandle, int64_t**);
+AOTITorchError aoti_torch_get_strides(AtenTensorHandle, int64_t**);
+AOTITorchError aoti_torch_get_storage_offset(AtenTensorHandle, int64_t*);
+AOTITorchError aoti_torch_get_dtype(AtenTensorHandle, int32_t*);
+AOTITorchError aoti_torch_empty_strided(int64_t, const int64_t*, const int64_t*, int32_t, int32_t,
+                                        int32_t, AtenTensorHandle*);
+AOTITorchError aoti_torch_create_tensor_from_blob(void*, int64_t, const int64_t*, const int64_t*,
+                                                  int64_t, int32_t, int32_t, int32_t,
+                                                  AtenTensorHandle*);
+AOTITorchError aoti_torch__reinterpret_tensor(AtenTensorHandle, int64_t, const int64_t*,
+                                              const int64_t*, int64_t, AtenTensorHandle*);
+AOTITorchError aoti_torch_cpu_max_pool2d_with_indices(
+    AtenTensorHandle, const int64_t*, int64_t, const int64_t*, int64_t, const int64_t*, int64_t,
+    const int64_t*, int64_t, int32_t, AtenTensorHandle*, AtenTensorHandle*);
+AOTITorchError aoti_torch_cpu_avg_pool2d(AtenTensorHandle, const int64_t*, int64_t,
+                                         const int64_t*, int64_t, const int64_t*, int64_t, int32_t,
+                                         int32_t, int64_t*, AtenTensorHandle*);
+AOTITorchError aoti_torch_cpu_cat(const AtenTensorHandle*, int64_t, int64_t, AtenTensorHandle*);
+AOTITorchError aoti_torch_cpu_addmm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle,
+                                        AtenTensorHandle, double, double);
+AOTITorchError aoti_torch_cpu_mm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle);
+}
+
+namespace clw {
+
+typedef int (*conv_fn)(const cl_conv_args*, uintptr_t, uintptr_t, unsigned long long, long long,
+                       uintptr_t, uintptr_t, const uintptr_t*);
+typedef const char* (*error_fn)(void);
+static conv_fn conv_forward = nullptr;
+static error_fn conv_error = nullptr;
+
+[[noreturn]] static void fail(const std::string& what) { throw std::runtime_error(what); }
+
+// The shim reports the exception text on stderr and returns non-zero.
+static inline void shim(AOTITorchError rc, const char* what) {
+  if (rc) fail(std::string(what) + " failed in ATen (its message is on stderr)");
+}
+
+// Owns one tensor reference; releases it when reset or destroyed, so an
+// exception anywhere in a segment frees everything it allocated.
+class H {
+ public:
+  H() = default;
+  explicit H(AtenTensorHandle h) : h_(h) {}
+  H(const H&) = delete;
+  H& operator=(const H&) = delete;
+  H(H&& o) noexcept : h_(o.h_) { o.h_ = nullptr; }
+  H& operator=(H&& o) noexcept { if (this != &o) { reset(); h_ = o.h_; o.h_ = nullptr; } return *this; }
+  ~H() { reset(); }
+  void reset() { if (h_) { aoti_torch_delete_tensor_object(h_); h_ = nullptr; } }
+  AtenTensorHandle get() const { return h_; }
+  AtenTensorHandle release() { AtenTensorHandle h = h_; h_ = nullptr; return h; }
+  explicit operator bool() const { return h_ != nullptr; }
+ private:
+  AtenTensorHandle h_ = nullptr;
+};
+
+static inline int64_t dim(const H& t) { int64_t d; shim(aoti_torch_get_dim(t.get(), &d), "dim"); return d; }
+static inline const int64_t* sizes(const H& t) {
+  int64_t* p; shim(aoti_torch_get_sizes(t.get(), &p), "sizes"); return p;
+}
+static inline const int64_t* strides(const H& t) {
+  int64_t* p; shim(aoti_torch_get_strides(t.get(), &p), "strides"); return p;
+}
+static inline void* data(const H& t) { void* p; shim(aoti_torch_get_data_ptr(t.get(), &p), "data_ptr"); return p; }
+static inline uintptr_t addr(const H& t) { return t ? (uintptr_t)data(t) : 0; }
+static inline int64_t numel(const H& t) {
+  int64_t n = 1, d = dim(t); const int64_t* s = sizes(t);
+  for (int64_t i = 0; i < d; ++i) n *= s[i];
+  return n;
+}
+
+static inline int32_t dtype_code(int es) { return es == 2 ? aoti_torch_dtype_bfloat16() : aoti_torch_dtype_float32(); }
+
+// Dense strides in torch's formula: contiguous, or channels-last (dim 1 innermost) when cl.
+static inline void dense_strides(int nd, const int64_t* sz, bool cl, int64_t* st) {
+  int perm[16];
+  for (int i = 0; i < nd; ++i) perm[i] = i;
+  if (cl && nd >= 3) { perm[nd - 1] = 1; for (int i = 1; i < nd - 1; ++i) perm[i] = i + 1; }
+  int64_t acc = 1;
+  for (int i = nd - 1; i >= 0; --i) { st[perm[i]] = acc; acc *= sz[perm[i]]; }
+}
+
+// The one order check: dense in that order, size-1 dims ignored (layout.is_in_order).
+static inline bool dense_in(int nd, const int64_t* sz, const int64_t* st, bool cl) {
+  int64_t want[16];
+  dense_strides(nd, sz, cl, want);
+  for (int i = 0; i < nd; ++i) {
+    if (sz[i] == 0) return true;
+    if (sz[i] != 1 && st[i] != want[i]) return false;
+  }
+  return true;
+}
+static inline bool dense_in(const H& t, bool cl) { return dense_in((int)dim(t), sizes(t), strides(t), cl); }
+
+static inline H empty(int nd, const int64_t* sz, const int64_t* st, int es) {
+  AtenTensorHandle h;
+  shim(aoti_torch_empty_strided(nd, sz, st, dtype_code(es), aoti_torch_device_type_cpu(), 0, &h), "empty_strided");
+  return H(h);
+}
+static inline H empty_dense(int nd, const int64_t* sz, bool cl, int es) {
+  int64_t st[16];
+  dense_strides(nd, sz, cl, st);
+  return empty(nd, sz, st, es);
+}
+
+// A new tensor over the storage of `dead` (planned reuse: same dtype, at least as many bytes).
+// Falls back to a fresh allocation when the run-time sizes say it does not fit.
+static inline H reuse(H&& dead, int nd, const int64_t* sz, bool cl, int es) {
+  int64_t st[16], n = 1;
+  dense_strides(nd, sz, cl, st);
+  for (int i = 0; i < nd; ++i) n *= sz[i];
+  int64_t off;
+  shim(aoti_torch_get_storage_offset(dead.get(), &off), "storage_offset");
+  if (!dead || off != 0 || numel(dead) < n) { dead.reset(); return empty(nd, sz, st, es); }
+  AtenTensorHandle h;
+  shim(aoti_torch__reinterpret_tensor(dead.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
+  dead.reset();
+  return H(h);
+}
+
+// A non-owning tensor over memory Python keeps alive (module constants).
+static inline H blob(uintptr_t p, int nd, const int64_t* sz, const int64_t* st, int es) {
+  AtenTensorHandle h;
+  shim(aoti_torch_create_tensor_from_blob((void*)p, nd, sz, st, 0, dtype_code(es),
+                                          aoti_torch_device_type_cpu(), 0, &h), "from_blob");
+  return H(h);
+}
+
+static inline H alias(const H& t, int nd, const int64_t* sz, const int64_t* st) {
+  int64_t off;
+  shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
+  AtenTensorHandle h;
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, off, &h), "reinterpret_tensor");
+  return H(h);
+}
+
+// Element size from the tensor's dtype (float32 or bfloat16 only: what segments carry).
+static inline int elsize(const H& t) {
+  int32_t d; shim(aoti_torch_get_dtype(t.get(), &d), "dtype");
+  if (d == aoti_torch_dtype_float32()) return 4;
+  if (d == aoti_torch_dtype_bfloat16()) return 2;
+  fail("segment tensor is neither float32 nor bfloat16");
+}
+
+// A tensor handed to a segment has the dtype, rank and static sizes it was
+// compiled for (-1: a symbolic size): generated code trusts them after this.
+static inline void expect(const H& t, int es, int nd, const int64_t* want, const char* name) {
+  if (dim(t) != nd) fail(std::string(name) + ": expected " + std::to_string(nd) + " dims, got " +
+                         std::to_string(dim(t)));
+  if (elsize(t) != es) fail(std::string(name) + ": unexpected dtype");
+  const int64_t* s = sizes(t);
+  for (int i = 0; i < nd; ++i)
+    if (want[i] >= 0 && s[i] != want[i])
+      fail(std::string(name) + ": size " + std::to_string(s[i]) + " at dim " + std::to_string(i) +
+           ", compiled for " + std::to_string(want[i]));
+}
+
+template <int ND>
+static void copy_nd(const int64_t* sz, void* src, const int64_t* sst, void* dst, const int64_t* dstt, int es) {
+  void* ptrs[2] = {src, dst};
+  int64_t st[2 * ND];
+  for (int i = 0; i < ND; ++i) { st[i] = sst[i]; st[ND + i] = dstt[i]; }
+  const int ess[2] = {es, es};
+  cl::pointwise<ND, 1, 1>(sz, ptrs, st, ess, [es](int64_t n, char* const* q) {
+    std::memcpy(q[1], q[0], (size_t)(n * es));
+  });
+}
+
+// A copy of `t` dense in the given order (layout.to_order's conversion).
+static inline H copy_in_order(const H& t, bool cl) {
+  const int nd = (int)dim(t), es = elsize(t);
+  const int64_t* sz = sizes(t);
+  H out = empty_dense(nd, sz, cl, es);
+  const int64_t* ost = strides(out);
+  switch (nd) {
+    case 1: copy_nd<1>(sz, data(t), strides(t), data(out), ost, es); break;
+    case 2: copy_nd<2>(sz, data(t), strides(t), data(out), ost, es); break;
+    case 3: copy_nd<3>(sz, data(t), strides(t), data(out), ost, es); break;
+    case 4: copy_nd<4>(sz, data(t), strides(t), data(out), ost, es); break;
+    case 5: copy_nd<5>(sz, data(t), strides(t), data(out), ost, es); break;
+    default: fail("layout conversion of a tensor with more than 5 dims");
+  }
+  return out;
+}
+// `t` itself when it is dense in the order, else a copy held by `tmp`.
+static inline const H& ordered(const H& t, bool cl, H& tmp) {
+  if (dense_in(t, cl)) return t;
+  tmp = copy_in_order(t, cl);
+  return tmp;
+}
+
+// Sizes broadcast right-aligned to nd dims (a kernel's output shape).
+static inline void broadcast_sizes(const H* const* ins, int n, int nd, int64_t* out) {
+  for (int d = 0; d < nd; ++d) out[d] = 1;
+  for (int i = 0; i < n; ++i) {
+    const int k = (int)dim(*ins[i]); const int64_t* s = sizes(*ins[i]);
+    if (k > nd) fail("kernel input has more dims than its output");
+    for (int d = 0; d < k; ++d) {
+      int64_t& o = out[nd - k + d];
+      if (s[d] != 1) {
+        if (o != 1 && o != s[d]) fail("kernel inputs do not broadcast");
+        o = s[d];
+      }
+    }
+  }
+}
+// Strides of `t` viewed at `sz` (broadcast dims get stride 0).
+static inline void broadcast_strides(const H& t, int nd, const int64_t* sz, int64_t* out) {
+  const int k = (int)dim(t); const int64_t* s = sizes(t); const int64_t* st = strides(t);
+  for (int d = 0; d < nd; ++d) out[d] = 0;
+  for (int d = 0; d < k; ++d) out[nd - k + d] = (s[d] == sz[nd - k + d] && s[d] != 1) ? st[d] : 0;
+}
+
+// Strides of .view(new sizes), or false when eager view would need a copy
+// (port of at::detail::computeStride, as layout.view_strides).
+static inline bool view_strides(int nd, const int64_t* sz, const int64_t* st, int nn,
+                                const int64_t* nsz, int64_t* nst) {
+  int64_t numel = 1;
+  for (int i = 0; i < nd; ++i) numel *= sz[i];
+  if (nd == 0 || numel == 0) { dense_strides(nn, nsz, false, nst); return true; }
+  int view_d = nn - 1;
+  int64_t chunk_base = st[nd - 1], tensor_numel = 1, view_numel = 1;
+  for (int d = nd - 1; d >= 0; --d) {
+    tensor_numel *= sz[d];
+    if (d == 0 || (sz[d - 1] != 1 && st[d - 1] != tensor_numel * chunk_base)) {
+      while (view_d >= 0 && (view_numel < tensor_numel || nsz[view_d] == 1)) {
+        nst[view_d] = view_numel * chunk_base;
+        view_numel *= nsz[view_d];
+        view_d--;
+      }
+      if (view_numel != tensor_numel) return false;
+      if (d > 0) { chunk_base = st[d - 1]; tensor_numel = 1; view_numel = 1; }
+    }
+  }
+  return view_d == -1;
+}
+
+static inline H view(const H& t, int nn, const int64_t* nsz) {
+  int64_t nst[16];
+  if (!view_strides((int)dim(t), sizes(t), strides(t), nn, nsz, nst))
+    fail("view: the input's strides do not allow this view");
+  return alias(t, nn, nsz, nst);
+}
+
+static inline H permute(const H& t, int nd, const int* perm) {
+  int64_t sz[16], st[16];
+  const int64_t* s = sizes(t); const int64_t* r = strides(t);
+  for (int i = 0; i < nd; ++i) { sz[i] = s[perm[i]]; st[i] = r[perm[i]]; }
+  return alias(t, nd, sz, st);
+}
+
+static inline H unsqueeze(const H& t, int d) {
+  const int nd = (int)dim(t);
+  int64_t sz[16], st[16];
+  const int64_t* s = sizes(t); const int64_t* r = strides(t);
+  for (int i = 0, j = 0; i <= nd; ++i) {
+    if (i == d) { sz[i] = 1; st[i] = d < nd ? r[d] * s[d] : 1; }
+    else { sz[i] = s[j]; st[i] = r[j]; ++j; }
+  }
+  return alias(t, nd + 1, sz, st);
+}
+
+static inline void check_order(const H& t, bool cl, const char* name) {
+  if (!dense_in(t, cl))
+    fail(std::string("buffer ") + name + " was planned " + (cl ? "channels_last" : "contiguous") +
+         " but the segment produced other strides");
+}
+
+static inline int64_t floordiv(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t pymod(int64_t a, int64_t b) { int64_t r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+
+static int report(const std::exception& e, char* err, int errlen) {
+  std::snprintf(err, (size_t)errlen, "%s", e.what());
+  return 1;
+}
+
+}  // namespace clw
+
+extern "C" void cl_segment_init(uintptr_t conv, uintptr_t error) {
+  clw::conv_forward = (clw::conv_fn)conv;
+  clw::conv_error = (clw::error_fn)error;
+}

@@ -1,0 +1,231 @@
+"""cpp_wrapper mode specifics: one foreign call per forward, segments around
+Python-only ops, buffer reuse and peak memory, errors from inside C++.
+
+(Values, sizes and strides against eager for every model are in
+test_backend.py, which runs each test under both wrappers.)
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpu_layout import benchmark, ir, models, ops, runtime
+from cpu_layout.codegen import cpp_kernels, cpp_wrapper
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+@pytest.fixture(autouse=True)
+def strict(monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_STRICT", "1")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    from cpu_layout import backend
+
+    made = []
+    real = backend.compile_graph
+
+    def spy(gm, inputs, options):
+        call = real(gm, inputs, options)
+        made.append(call)
+        return call
+
+    monkeypatch.setattr(backend, "compile_graph", spy)
+    return made
+
+
+def compile_cpp(model, dynamic=False, **opts):
+    return torch.compile(model, backend="cpu_layout", dynamic=dynamic,
+                         options={"cpp_wrapper": True, **opts})
+
+
+class SENet(nn.Module):
+    """conv+BN+ReLU, max-pool, SE block (mean, 1x1 convs, sigmoid), residual, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.fc1 = nn.Conv2d(16, 4, 1)
+        self.fc2 = nn.Conv2d(4, 16, 1)
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = F.max_pool2d(self.stem(x), 2)
+        w = torch.sigmoid(self.fc2(F.relu(self.fc1(y.mean((2, 3), keepdim=True)))))
+        y = F.relu(self.conv(y * w) + y)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
+
+
+def _init(model):
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def _no_python_runners(monkeypatch):
+    """Make every per-op Python runner fail: only C++ segments may run the graph."""
+    def refuse(*a, **k):
+        raise AssertionError("a node ran from Python")
+
+    monkeypatch.setattr(ops, "_run", refuse)
+    monkeypatch.setattr(runtime.KernelCall, "__call__", refuse)
+    monkeypatch.setattr(runtime.ReductionCall, "__call__", refuse)
+    monkeypatch.setattr(runtime.AtenPointwise, "__call__", refuse)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_supported_graph_is_one_foreign_call_per_forward(amp, dynamic, monkeypatch):
+    model = _init(SENet())
+    fn = compile_cpp(model, dynamic=dynamic)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        x = torch.randn(2, 3, 16, 14)
+        fn(x)  # compile (and fill the prologue's constants)
+        _no_python_runners(monkeypatch)
+        for n in (2, 3, 5) if dynamic else (2, 2):
+            x = torch.randn(n, 3, 16, 14)
+            before = cpp_wrapper.SegmentCall.calls
+            y = fn(x)
+            assert cpp_wrapper.SegmentCall.calls - before == 1
+            ref = model(x)
+            assert y.shape == ref.shape and y.stride() == ref.stride()
+            tol = 3e-2 if amp else 1e-4
+            torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_option_and_environment_variable_both_select_it(monkeypatch, compiled_graphs):
+    model, x = models.build("maml_omniglot")
+    graphs = compiled_graphs
+    compile_cpp(model)(x)
+    torch._dynamo.reset()
+    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1")
+    torch.compile(model, backend="cpu_layout")(x)
+    assert [c.cpu_layout_cpp_wrapper for c in graphs] == [True, True]
+    for c in graphs:
+        segments = [n for n in c.cpu_layout_graph.nodes if isinstance(n, ir.Segment)]
+        assert len(segments) == 1 and "_segment" in c.cpu_layout_source
+
+
+class CumsumInTheMiddle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.a(x))
+        y = torch.cumsum(y, dim=3)  # no C shim entry: a Python node
+        return self.b(y) * 0.5
+
+
+def test_unsupported_op_splits_the_graph_into_segments():
+    model = CumsumInTheMiddle().eval()
+    x = torch.randn(2, 3, 10, 10)
+    fn = compile_cpp(model)
+    before = cpp_wrapper.SegmentCall.calls
+    y = fn(x)
+    ref = model(x)
+    assert cpp_wrapper.SegmentCall.calls - before == 2
+    assert y.stride() == ref.stride()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rule_keeps_python_only_ops_out_of_segments():
+    g = ir.Graph()
+    x = g.new_buffer(size=(2, 3), dtype=torch.float32, eager_stride=(3, 1))
+    out = g.new_buffer(size=(2, 3), dtype=torch.float32, eager_stride=(3, 1))
+    cumsum = ir.Aten("cumsum", [x], out, target=torch.ops.aten.cumsum.default, args=(x, 1))
+    assert not cpp_wrapper.runs_in_cpp(cumsum)
+    ints = g.new_buffer(size=(2, 3), dtype=torch.int64, eager_stride=(3, 1))
+    cat = ir.Aten("cat", [ints], g.new_buffer(size=(4, 3), dtype=torch.int64, eager_stride=(3, 1)),
+                  target=torch.ops.aten.cat.default, args=([ints, ints], 0))
+    assert not cpp_wrapper.runs_in_cpp(cat), "integer tensors stay in Python"
+    fcat = ir.Aten("cat", [x], g.new_buffer(size=(4, 3), dtype=torch.float32, eager_stride=(3, 1)),
+                   target=torch.ops.aten.cat.default, args=([x, x], 0))
+    assert cpp_wrapper.runs_in_cpp(fcat)
+
+
+class Plain(nn.Module):
+    """5 convs of 16 channels: the overhead benchmark's model."""
+
+    def __init__(self, layers=5, ch=16):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(ch, ch, 3, padding=1) for _ in range(layers))
+
+    def forward(self, x):
+        for c in self.convs:
+            x = F.relu(c(x)) * 1.5
+        return x
+
+
+def test_buffers_are_reused_and_peak_memory_is_not_above_the_default_wrappers(compiled_graphs):
+    model = Plain().eval()
+    x = torch.randn(2, 16, 32, 32)
+    peaks = {}
+    for cpp in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+        peaks[cpp] = benchmark.peak_memory(fn, x)
+        if cpp:
+            env = compiled_graphs[-1].__globals__
+            seg = next(v for v in env.values() if isinstance(v, cpp_wrapper.SegmentCall))
+            with open(seg.library.path[:-3] + ".cpp", encoding="utf-8") as f:
+                assert "clw::reuse(" in f.read(), "a dying same-size buffer lends its storage"
+    one = 2 * 16 * 32 * 32 * 4
+    assert peaks[True] <= peaks[False], peaks
+    assert peaks[True] <= 3 * one, peaks  # live: the input, one conv output, one kernel output
+
+
+def test_an_error_inside_a_segment_is_a_python_exception(compiled_graphs):
+    model = Plain(layers=2).eval()
+    compile_cpp(model)(torch.randn(1, 16, 8, 8))
+    env = compiled_graphs[0].__globals__
+    seg = next(v for v in env.values() if isinstance(v, cpp_wrapper.SegmentCall))
+    pack = next(v for v in env.values() if isinstance(v, cpp_wrapper._Prologue)).value[-1]
+    # Tensors that do not match what the segment was compiled for are refused on entry.
+    with pytest.raises(RuntimeError, match="cpu_layout: input .*size 5 at dim 1, compiled for 16"):
+        seg([torch.randn(1, 5, 8, 8)], pack)
+    with pytest.raises(RuntimeError, match="cpu_layout: input .*dtype"):
+        seg([torch.randn(1, 16, 8, 8, dtype=torch.bfloat16)], pack)
+    with pytest.raises(RuntimeError, match="cpu_layout: input .*expected 4 dims"):
+        seg([torch.randn(16, 8, 8)], pack)
+    y = seg([torch.randn(1, 16, 8, 8)], pack)  # and the segment still works afterwards
+    assert y[0].shape == (1, 16, 8, 8)
+
+
+def test_size_expressions_print_as_cpp():
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    from cpu_layout.codegen import sizes
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    assert sizes.cexpr(FloorDiv(s0 - 1, 2) + 1).count("clw::floordiv") == 1
+    assert "s0" in sizes.cexpr(s0 * s1) and "s1" in sizes.cexpr(s0 * s1)
+    with pytest.raises(NotImplementedError):
+        sizes.cexpr(sympy.sin(s0))
+
+
+def test_kernels_and_segments_compile_in_one_library(monkeypatch):
+    calls = []
+    real = cpp_kernels.build.load_library
+
+    def spy(source, cdef, **kw):
+        calls.append(cdef)
+        return real(source, cdef, **kw)
+
+    monkeypatch.setattr(cpp_kernels.build, "load_library", spy)
+    model, x = models.build("mobilenet_v3")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compile_cpp(model)(x)
+    assert len(calls) == 1 and "cl_segment_" in calls[0]
