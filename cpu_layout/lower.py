@@ -65,6 +65,12 @@ FOLLOW_OPS = {
 
 _FLOAT = (torch.float32, torch.bfloat16)
 
+# Deterministic tensor factories: with static arguments their result is a
+# constant of the graph (e.g. the index ramps of a decomposed upsample).
+CONSTANT_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step,
+                      aten.zeros.default, aten.ones.default, aten.full.default,
+                      aten.scalar_tensor.default}
+
 # aten overload -> reduction kind of ir.Reduction (float32 accumulation).
 REDUCTIONS = {
     aten.mean.dim: "mean",
@@ -304,6 +310,8 @@ class Lowering:
                     tensors = [b for b in node.inputs if b.is_tensor]
                     r.constant = bool(tensors) and all(b.constant for b in tensors) and not isinstance(
                         node, ir.Conv)
+                    if isinstance(node, ir.Aten) and node.target in CONSTANT_FACTORIES and not node.inputs:
+                        r.constant = r.is_tensor
             elif n.op == "output":
                 vals = [self._arg(v) for v in n.args[0]]
                 self.g.add(ir.Output("output", ir.values_of(vals), None, values=vals))

@@ -22,6 +22,7 @@ typedef int32_t AOTITorchError;
 int32_t aoti_torch_device_type_cpu();
 int32_t aoti_torch_dtype_float32();
 int32_t aoti_torch_dtype_bfloat16();
+int32_t aoti_torch_dtype_int64();
 AOTITorchError aoti_torch_delete_tensor_object(AtenTensorHandle);
 AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle, void**);
 AOTITorchError aoti_torch_get_dim(AtenTensorHandle, int64_t*);
@@ -46,6 +47,8 @@ AOTITorchError aoti_torch_cpu_cat(const AtenTensorHandle*, int64_t, int64_t, Ate
 AOTITorchError aoti_torch_cpu_addmm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle,
                                         AtenTensorHandle, double, double);
 AOTITorchError aoti_torch_cpu_mm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle);
+AOTITorchError aoti_torch_cpu_index_Tensor(AtenTensorHandle, const AtenTensorHandle**, int64_t,
+                                           AtenTensorHandle*);
 }
 
 namespace clw {
@@ -97,7 +100,10 @@ static inline int64_t numel(const H& t) {
   return n;
 }
 
-static inline int32_t dtype_code(int es) { return es == 2 ? aoti_torch_dtype_bfloat16() : aoti_torch_dtype_float32(); }
+// Segments carry float32 (4) and bfloat16 (2) data, and int64 (8) index tensors.
+static inline int32_t dtype_code(int es) {
+  return es == 2 ? aoti_torch_dtype_bfloat16() : es == 8 ? aoti_torch_dtype_int64() : aoti_torch_dtype_float32();
+}
 
 // Dense strides in torch's formula: contiguous, or channels-last (dim 1 innermost) when cl.
 static inline void dense_strides(int nd, const int64_t* sz, bool cl, int64_t* st) {
@@ -162,12 +168,13 @@ static inline H alias(const H& t, int nd, const int64_t* sz, const int64_t* st) 
   return H(h);
 }
 
-// Element size from the tensor's dtype (float32 or bfloat16 only: what segments carry).
+// Element size from the tensor's dtype (what segments carry: float32, bfloat16, int64).
 static inline int elsize(const H& t) {
   int32_t d; shim(aoti_torch_get_dtype(t.get(), &d), "dtype");
   if (d == aoti_torch_dtype_float32()) return 4;
   if (d == aoti_torch_dtype_bfloat16()) return 2;
-  fail("segment tensor is neither float32 nor bfloat16");
+  if (d == aoti_torch_dtype_int64()) return 8;
+  fail("segment tensor is not float32, bfloat16 or int64");
 }
 
 // A tensor handed to a segment has the dtype, rank and static sizes it was

@@ -7,7 +7,8 @@ median latency of
   eager_cl   eager, model and input in channels_last
   ind        Inductor, default configuration
   frz        Inductor with freezing + cpp_wrapper (its best CPU configuration)
-  cpl        cpu_layout (default wrapper; --cpl-wrapper cpp once it is implemented)
+  cpl        cpu_layout, default (Python) wrapper
+  cplcpp     cpu_layout, C++ wrapper (options={"cpp_wrapper": True})
 timed in interleaved rounds in the same process (so machine noise hits all alike),
 speedups vs eager and vs frz, compile time (first call minus a median call) of each
 compiled backend, and a check of every compiled output against eager: values with
@@ -57,8 +58,9 @@ VARIANTS = {
     "ind": ("inductor", False, "default"),
     "frz": ("inductor_freezing", False, "cpp"),
     "cpl": ("cpu_layout", False, "default"),
+    "cplcpp": ("cpu_layout", False, "cpp"),
 }
-COMPILED = ("ind", "frz", "cpl")
+COMPILED = ("ind", "frz", "cpl", "cplcpp")
 
 
 def log(msg):
@@ -91,8 +93,6 @@ def run_config(name, dtype, shape, variants, args):
     ref = None
     for label in variants:
         backend, cl, wrapper = VARIANTS[label]
-        if label == "cpl":
-            wrapper = args.cpl_wrapper
         try:
             c = B.compile_model(model, backend, dtype, dynamic if backend != "eager" else False,
                                 wrapper, cl, reset=False)
@@ -167,7 +167,7 @@ def run_config(name, dtype, shape, variants, args):
 def print_table(results, variants):
     lat_cols = list(variants)
     x_cols = [v for v in variants if v != "eager"]
-    vs_frz = [v for v in ("ind", "cpl") if v in variants and "frz" in variants]
+    vs_frz = [v for v in ("ind", "cpl", "cplcpp") if v in variants and "frz" in variants]
     comp_cols = [v for v in COMPILED if v in variants]
     sections = [("latency ms", lat_cols), ("x eager", x_cols)]
     if vs_frz:
@@ -208,7 +208,7 @@ def print_table(results, variants):
             line += fmt_s(t)
             if t:
                 ctime[v].append(t)
-        cp = r["compile"].get("cpl")
+        cp = r["compile"].get("cpl") or r["compile"].get("cplcpp")
         for k in cratio:
             if cp and r["compile"].get(k):
                 cratio[k].append(cp / r["compile"][k])
@@ -263,8 +263,6 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer iterations (12 calls, 3 rounds)")
     ap.add_argument("--backends", default=",".join(VARIANTS),
                     help=f"subset of {','.join(VARIANTS)} (eager is always run)")
-    ap.add_argument("--cpl-wrapper", default="default", choices=B.WRAPPERS,
-                    help="cpu_layout wrapper [default]")
     ap.add_argument("--cold", action="store_true",
                     help="fresh, empty Inductor and cpu_layout on-disk caches (cold compile times; "
                          "default: whatever caches exist, usually warm after a first run)")

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Measure the conv cost table the layout planner ships (cpu_layout/data/conv_cost_table.json).
+"""Measure the conv cost table the layout planner ships for this CPU's oneDNN ISA
+(cpu_layout/data/conv_cost_table_<isa>.json; the planner picks the table by ISA).
 
 For each shape class (in/out channels, kernel, stride, groups, spatial size,
 dtype) it times one oneDNN forward convolution with src/dst in NCHW and in
@@ -27,7 +28,8 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(HERE, "..", "cpu_layout", "data", "conv_cost_table.json")
+sys.path.insert(0, os.path.dirname(HERE))
+from cpu_layout.plan.cost import DATA_DIR, cpu_isa  # noqa: E402
 
 # (cin, cout, kernel, stride, groups, spatial): resnet/resnext/mobilenet/convnext/maml-like
 # classes plus tiny channel counts, where NHWC may not pay off.
@@ -54,16 +56,8 @@ CLASSES = [
 
 
 def isa() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((l for l in f if l.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    for name in ("avx512f", "avx2"):
-        if name in flags:
-            extra = [f for f in ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx_vnni") if f in flags]
-            return "+".join([name] + extra)
-    return "other"
+    """oneDNN's ISA name (the key the planner looks tables up by)."""
+    return cpu_isa()
 
 
 def cpu_name() -> str:
@@ -116,10 +110,12 @@ def median_pair_us(fa, fb, target_s: float, min_reps: int = 5, max_reps: int = 6
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", default=None, help="default: cpu_layout/data/conv_cost_table_<isa>.json")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop adding classes after this")
     ap.add_argument("--quick", action="store_true", help="a few classes, for smoke tests")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = os.path.join(DATA_DIR, f"conv_cost_table_{isa()}.json")
 
     torch.set_num_threads(1)  # the table is per-core; the planner compares layouts, not thread scaling
     torch.manual_seed(0)

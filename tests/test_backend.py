@@ -76,12 +76,15 @@ def test_registered_by_name():
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
 @pytest.mark.parametrize("name", list(models.MODELS))
-def test_builtin_models_static(name, amp, compiled_graphs):
+def test_builtin_models_static(name, amp, compiled_graphs, wrapper):
     model, x = models.build(name)
     _, y, ref = run_both(model, x, amp=amp)
     assert_matches(y, ref, amp)
     assert len(compiled_graphs) == 1, "one graph, no breaks"
     g = compiled_graphs[0].cpu_layout_graph
+    if wrapper == "cpp":  # every op of the suite runs in C++: one segment, one foreign call
+        assert [type(n) for n in g.nodes if not isinstance(n, (ir.Input, ir.Output, ir.Getitem))] == \
+            [ir.Aten, ir.Segment], g.dump()
     assert g.convs(), "convolutions ran on cpu_layout's oneDNN path"
     assert not [n for n in g.walk() if isinstance(n, ir.Aten) and
                 n.target is torch.ops.aten.convolution.default], "no conv fell back to ATen"

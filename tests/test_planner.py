@@ -449,11 +449,24 @@ def test_log_plan_prints_each_conv_and_copies(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_table_is_chosen_by_isa(tmp_path):
+    from cpu_layout.plan.cost import table_path_for
+
+    for isa in ("avx2", "avx512_core", "avx512_core_amx"):
+        (tmp_path / f"conv_cost_table_{isa}.json").write_text("{}")
+    assert table_path_for("avx512_core_amx", str(tmp_path)).endswith("_avx512_core_amx.json")
+    assert table_path_for("avx512_core_bf16", str(tmp_path)).endswith("_avx512_core_amx.json") or \
+        table_path_for("avx512_core_bf16", str(tmp_path)).endswith("_avx512_core.json")
+    assert table_path_for("avx2", str(tmp_path)).endswith("_avx2.json")
+    (tmp_path / "conv_cost_table_avx2.json").unlink()
+    assert table_path_for("avx2", str(tmp_path)) is None, "no table of the family: heuristics"
+
+
 def test_shipped_table_metadata_and_lookup():
     with open(TABLE_PATH) as f:
         table = json.load(f)
     assert table["backend"] in ("cpu_layout.ops.conv2d", "torch.nn.functional.conv2d")
-    assert table["isa"].split("+")[0] in ("avx512f", "avx2", "other")
+    assert table["isa"].split("+")[0].split("_")[0] in ("avx512", "avx512f", "avx2", "other")
     assert {"float32", "bfloat16"} <= {e["dtype"] for e in table["entries"]}
     assert {1, 32} <= {e["groups"] for e in table["entries"]}
     cm = CostModel(table)

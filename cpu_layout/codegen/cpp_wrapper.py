@@ -45,7 +45,10 @@ VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.p
             aten.unsqueeze.default)
 # ATen ops a segment runs through libtorch's C shim (aoti_torch_cpu_*).
 SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, aten.addmm.default,
-            aten.mm.default)
+            aten.mm.default, aten._unsafe_index.Tensor, aten.index.Tensor)
+_INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
+# Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
+_HELD_ES = {**_ES, torch.int64: 8}
 
 
 def _csrc(name: str) -> str:
@@ -98,6 +101,10 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return _float_tensor(n.inputs[0])
     if not isinstance(n, ir.Aten) or n.multi or not _float_tensor(n.out):
         return False
+    if n.target in _INDEX_OPS:  # x[..., idx, idx]: float data, integer index tensors
+        idx = n.args[1] if len(n.args) > 1 else None
+        return (not n.kwargs and _float_tensor(n.args[0]) and isinstance(idx, (list, tuple))
+                and all(i is None or (isinstance(i, ir.Buffer) and i.dtype == torch.int64) for i in idx))
     if not all(_float_tensor(b) for b in n.inputs if b.is_tensor):
         return False
     if n.target in VIEW_OPS:
@@ -232,7 +239,6 @@ class SegmentCall:
         self.library = library  # library.path[:-3] + ".cpp" is the generated source
         self.fn = getattr(library.lib, self.name)
         self.ffi = library.ffi
-        self._err = self.ffi.new("char[]", 1024)
 
     def __call__(self, acts: list, pack, *scalars):
         ffi = self.ffi
@@ -244,10 +250,11 @@ class SegmentCall:
         del caps
         outs = ffi.new("uintptr_t[]", max(self.n_outputs, 1))
         sc = ffi.new("int64_t[]", [int(s) for s in scalars] or [0])
+        err = ffi.new("char[]", 1024)  # per call: segments may run in several threads at once
         SegmentCall.calls += 1
-        rc = self.fn(handles, pack, sc, outs, self._err, 1024)
+        rc = self.fn(handles, pack, sc, outs, err, 1024)
         if rc != 0:
-            raise RuntimeError(f"cpu_layout: {ffi.string(self._err).decode('utf-8', 'replace')}")
+            raise RuntimeError(f"cpu_layout: {ffi.string(err).decode('utf-8', 'replace')}")
         return _from_handles([_PyCapsule_New(outs[i], None, None) for i in range(self.n_outputs)])
 
 
@@ -263,20 +270,21 @@ def _static_strides(b: ir.Buffer) -> tuple:
     return b.eager_stride
 
 
-def _arr(xs, ctype="int64_t") -> str:
+def _arr(xs) -> str:
     xs = list(xs)
     return "{" + ", ".join(str(int(x)) for x in xs) + "}" if xs else "{0}"
 
 
 class _SegmentEmitter:
-    def __init__(self, seg: ir.Segment, kernels: Dict[ir.Node, object], outs: List[ir.Buffer],
-                 sym_src: Dict, debug: bool):
-        self.seg, self.kernels, self.outs, self.debug = seg, kernels, outs, debug
+    """C++ statements of one segment; `var` names each buffer's handle."""
+
+    def __init__(self, kernels: Dict[ir.Node, object], consts: List[ir.Buffer]):
+        self.kernels = kernels
+        self.consts = consts
         self.lines: List[str] = []
         self.var: Dict[ir.Buffer, str] = {}
         self.fresh = set()   # buffers this segment allocated (may lend their storage)
         self.aliased = set()  # buffers some view aliases (never lent)
-        self.sym_src = sym_src
 
     def emit(self, s: str):
         self.lines.append("    " + s)
@@ -318,8 +326,8 @@ class _SegmentEmitter:
     def conv(self, n: ir.Conv, donor):
         nsp = n.x.rank - 2
         dst_cl = n.out.layout == L.CHANNELS_LAST
-        wi = self.seg_const_index(n.weight)
-        bi = self.seg_const_index(n.bias) if n.bias is not None else None
+        wi = self.const_index(n.weight)
+        bi = self.const_index(n.bias) if n.bias is not None else None
         post = [("add", torch.empty(0)) if isinstance(p, tuple) and p[0] == "add" else p for p in n.post_ops]
         parsed = ops._parse_post_ops(post)
         residuals = [p[1] for p in n.post_ops if isinstance(p, tuple) and p[0] == "add"]
@@ -474,6 +482,20 @@ class _SegmentEmitter:
             e("  AtenTensorHandle o;")
             e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
             e(f"  {out} = clw::H(o);")
+        elif t in _INDEX_OPS:
+            x = self.read(n, a[0], n.out.name)
+            hs, ptrs = [], []
+            for j, i in enumerate(a[1]):
+                if i is None:
+                    ptrs.append("nullptr")
+                else:
+                    e(f"  AtenTensorHandle i{j} = {self.v(i)}.get();")
+                    ptrs.append(f"&i{j}")
+            e(f"  const AtenTensorHandle* idx[] = {{{', '.join(ptrs)}}};")
+            e("  AtenTensorHandle o;")
+            e(f"  clw::shim(aoti_torch_cpu_index_Tensor({x}.get(), idx, {len(ptrs)}, &o), \"{n.name}: index\");")
+            e(f"  {out} = clw::H(o);")
+            del hs
         else:  # addmm / mm
             mm = t is aten.mm.default
             names = [self.read(n, b, f"{n.out.name}_{i}") for i, b in enumerate(a[:2] if mm else a[:3])]
@@ -488,12 +510,12 @@ class _SegmentEmitter:
                 alpha = float(a[4]) if len(a) > 4 else 1.0
                 e(f"  clw::shim(aoti_torch_cpu_addmm_out({out}.get(), {names[0]}.get(), {m1}.get(), "
                   f"{m2}.get(), {beta!r}, {alpha!r}), \"{n.name}: addmm\");")
-        if t in (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default):
+        if t in (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default) + _INDEX_OPS:
             self.fresh.add(n.out)
         self.end(n)
 
-    def seg_const_index(self, b: ir.Buffer) -> int:
-        return self.seg_consts.index(b)
+    def const_index(self, b: ir.Buffer) -> int:
+        return self.consts.index(b)
 
 
 def _pair(v):
@@ -518,8 +540,7 @@ _SIGNATURE = ("const uintptr_t* in, const int64_t* consts, const int64_t* scalar
 
 def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[ir.Buffer],
                   sym_src, last_use: Dict[ir.Buffer, ir.Node], debug: bool) -> str:
-    em = _SegmentEmitter(seg, kernels, outs, sym_src, debug)
-    em.seg_consts = consts
+    em = _SegmentEmitter(kernels, consts)
     acts = seg.inputs[:seg.n_activations]
     em.emit(f"clw::H t_in[{max(len(acts), 1)}];")
     em.emit(f"for (int i = 0; i < {len(acts)}; ++i) t_in[i] = clw::H((AtenTensorHandle)in[i]);")
@@ -527,7 +548,7 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
         em.var[b] = f"t_in[{i}]"
         want = [int(x) if type(x) is int else -1 for x in b.size]
         em.emit(f"{{ const int64_t want[] = {_arr(want)}; "
-                f"clw::expect(t_in[{i}], {_ES[b.dtype]}, {b.rank}, want, \"input {b.name}\"); }}")
+                f"clw::expect(t_in[{i}], {_HELD_ES[b.dtype]}, {b.rank}, want, \"input {b.name}\"); }}")
     # Module constants that kernels or ATen ops read need a tensor view of their memory.
     needs_handle = {b for m in seg.members if not isinstance(m, ir.Conv) for b in m.inputs if b in consts}
     for m in seg.members:
@@ -537,7 +558,7 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
         if b in needs_handle:
             em.emit(f"const int64_t c{i}_sz[] = {_arr(b.size)}, c{i}_st[] = {_arr(_static_strides(b))};")
             em.emit(f"clw::H c{i} = clw::blob((uintptr_t)consts[{3 * i}], {b.rank}, c{i}_sz, c{i}_st, "
-                    f"{_ES[b.dtype]});")
+                    f"{_HELD_ES[b.dtype]});")
             em.var[b] = f"c{i}"
     # Symbols the views' sizes use, read from the inputs that define them.
     syms = set()

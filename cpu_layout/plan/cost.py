@@ -8,9 +8,15 @@ decide.  Copies cost bytes x measured µs/byte.  Everything is in µs so conv
 and copy costs add up in one objective.
 
 Sizes may be symbolic: costs use size hints (`layout.hint`), never guards.
+
+One table per oneDNN ISA (`conv_cost_table_<isa>.json`): relative NCHW/NHWC
+costs differ between AVX2 and AVX-512/AMX kernels, so the planner uses the
+table measured on this CPU's ISA, else one of the same family (avx512*), else
+heuristics alone.
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -24,8 +30,37 @@ from cpu_layout.plan.graph import Conv
 
 __all__ = ["ConvCost", "CostModel", "default_cost_model", "TABLE_PATH"]
 
-TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                          "conv_cost_table.json")
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+def cpu_isa() -> str:
+    """The ISA oneDNN dispatches to on this CPU (avx2, avx512_core, ..., avx512_core_amx)."""
+    try:
+        from cpu_layout import _native
+
+        return _native.cpu_isa()
+    except ImportError:  # planning without the extension (its tests): read the CPU flags
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+        return "avx512_core" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+
+
+def _family(isa: str) -> str:
+    return "avx512" if isa.startswith("avx512") else isa
+
+
+def table_path_for(isa: str, directory: str = DATA_DIR) -> Optional[str]:
+    """The shipped table measured on `isa`, else one of its family, else None."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(directory, "conv_cost_table_*.json"))):
+        found[os.path.basename(path)[len("conv_cost_table_"):-len(".json")]] = path
+    if isa in found:
+        return found[isa]
+    same = [k for k in found if _family(k) == _family(isa)]
+    return found[max(same)] if same else None
+
+
+TABLE_PATH = table_path_for(cpu_isa()) or table_path_for("avx2")
 
 # A table class further than this (sum of |log2| feature differences) is not
 # trusted: heuristics decide instead.
@@ -75,7 +110,11 @@ class CostModel:
             e["_kind"] = _group_kind(e["groups"], e["cin"])
 
     @classmethod
-    def load(cls, path: str = TABLE_PATH) -> "CostModel":
+    def load(cls, path: Optional[str] = None) -> "CostModel":
+        """The table at `path`, by default the one for this CPU's ISA (heuristics if none)."""
+        path = path or table_path_for(cpu_isa())
+        if path is None:
+            return cls(None)
         try:
             with open(path) as f:
                 return cls(json.load(f))
