@@ -1,5 +1,7 @@
 """What generated wrappers call at run time: convolutions with folded
-batch-norm, layout conversions, and per-buffer layout checks (debug mode).
+batch-norm, kernels, layout conversions, per-buffer layout checks (debug
+mode), and in cpp_wrapper mode the constant prologue and the calls into C++
+segments.
 
 Parameters arrive as graph inputs on every call, so a folded weight is
 recomputed exactly when one of its sources changed (version counter or
@@ -7,6 +9,7 @@ storage): module state is constant only while it is unchanged.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Optional, Sequence
 
@@ -213,3 +216,85 @@ class AtenPointwise:
         if self.dtype is not None and out.dtype != self.dtype:
             out = out.to(self.dtype)  # e.g. bf16 batch-norm input times fp32 coefficients
         return to_order(out, self.order)
+
+
+def _same_strides(size, got, want) -> bool:
+    """Equal strides wherever they address memory (size-1 dims ignored)."""
+    return all(n == 1 or g == w for n, g, w in zip(size, got, want))
+
+
+class ConstantPrologue:
+    """cpp_wrapper mode: the module-state nodes as one memoized Python function,
+    plus each C++ segment's constant pack (address, weight serial, version per constant)."""
+
+    def __init__(self, fn, exports, packs, ffi):
+        self.fn = fn
+        self.exports = exports          # Buffers it returns, in order
+        self.packs = packs              # per segment: [(export index, is conv weight, size, strides)]
+        self.ffi = ffi
+        self.key = None
+        self.value = None
+
+    def __call__(self, *params):
+        key = tuple((p.data_ptr(), p._version) if isinstance(p, torch.Tensor) else p for p in params)
+        if key == self.key and self.value is not None:
+            return self.value
+        vals = tuple(self.fn(list(params)))
+        packs = []
+        for entries in self.packs:
+            flat = []
+            for idx, is_weight, size, want in entries:
+                t = vals[idx]
+                if tuple(t.shape) != size or not _same_strides(size, tuple(t.stride()), want):
+                    raise RuntimeError(
+                        f"cpu_layout: a module constant has size {tuple(t.shape)} and stride "
+                        f"{t.stride()}; the graph was compiled for {size} and {want}")
+                flat += [t.data_ptr(), ops._weight_serial(t) if is_weight else 0, t._version]
+            packs.append(self.ffi.new("int64_t[]", flat or [0]))
+        self.value = (*vals, *packs)
+        self.key = key
+        return self.value
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+_from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+
+class SegmentCall:
+    """Python's side of one segment: tensors in as owned handles, results back as tensors."""
+
+    calls = 0  # foreign calls made by all segments (tests count them)
+
+    def __init__(self, name: str, n_outputs: int):
+        self.name = name
+        self.n_outputs = n_outputs
+        self.fn = None
+        self.ffi = None
+
+    def bind(self, library):
+        self.library = library  # library.path[:-3] + ".cpp" is the generated source
+        self.fn = getattr(library.lib, self.name)
+        self.ffi = library.ffi
+
+    def __call__(self, acts: list, pack, *scalars):
+        ffi = self.ffi
+        # The segment owns these references; clearing the list lets it free
+        # an activation at its last use when the wrapper holds no other name for it.
+        caps = _to_handles(acts) if acts else []
+        acts.clear()
+        handles = ffi.new("uintptr_t[]", [_capsule_pointer(c, None) for c in caps] or [0])
+        del caps
+        outs = ffi.new("uintptr_t[]", max(self.n_outputs, 1))
+        sc = ffi.new("int64_t[]", [int(s) for s in scalars] or [0])
+        err = ffi.new("char[]", 1024)  # per call: segments may run in several threads at once
+        SegmentCall.calls += 1
+        rc = self.fn(handles, pack, sc, outs, err, 1024)
+        if rc != 0:
+            raise RuntimeError(f"cpu_layout: {ffi.string(err).decode('utf-8', 'replace')}")
+        return _from_handles([_capsule_new(outs[i], None, None) for i in range(self.n_outputs)])

@@ -43,6 +43,7 @@ AOTITorchError aoti_torch_cpu_max_pool2d_with_indices(
 AOTITorchError aoti_torch_cpu_avg_pool2d(AtenTensorHandle, const int64_t*, int64_t,
                                          const int64_t*, int64_t, const int64_t*, int64_t, int32_t,
                                          int32_t, int64_t*, AtenTensorHandle*);
+AOTITorchError aoti_torch_copy_(AtenTensorHandle, AtenTensorHandle, int32_t);
 AOTITorchError aoti_torch_cpu_cat(const AtenTensorHandle*, int64_t, int64_t, AtenTensorHandle*);
 AOTITorchError aoti_torch_cpu_addmm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle,
                                         AtenTensorHandle, double, double);
@@ -190,31 +191,10 @@ static inline void expect(const H& t, int es, int nd, const int64_t* want, const
            ", compiled for " + std::to_string(want[i]));
 }
 
-template <int ND>
-static void copy_nd(const int64_t* sz, void* src, const int64_t* sst, void* dst, const int64_t* dstt, int es) {
-  void* ptrs[2] = {src, dst};
-  int64_t st[2 * ND];
-  for (int i = 0; i < ND; ++i) { st[i] = sst[i]; st[ND + i] = dstt[i]; }
-  const int ess[2] = {es, es};
-  cl::pointwise<ND, 1, 1>(sz, ptrs, st, ess, [es](int64_t n, char* const* q) {
-    std::memcpy(q[1], q[0], (size_t)(n * es));
-  });
-}
-
-// A copy of `t` dense in the given order (layout.to_order's conversion).
+// A copy of `t` dense in the given order (layout.to_order's conversion), by ATen's copy_.
 static inline H copy_in_order(const H& t, bool cl) {
-  const int nd = (int)dim(t), es = elsize(t);
-  const int64_t* sz = sizes(t);
-  H out = empty_dense(nd, sz, cl, es);
-  const int64_t* ost = strides(out);
-  switch (nd) {
-    case 1: copy_nd<1>(sz, data(t), strides(t), data(out), ost, es); break;
-    case 2: copy_nd<2>(sz, data(t), strides(t), data(out), ost, es); break;
-    case 3: copy_nd<3>(sz, data(t), strides(t), data(out), ost, es); break;
-    case 4: copy_nd<4>(sz, data(t), strides(t), data(out), ost, es); break;
-    case 5: copy_nd<5>(sz, data(t), strides(t), data(out), ost, es); break;
-    default: fail("layout conversion of a tensor with more than 5 dims");
-  }
+  H out = empty_dense((int)dim(t), sizes(t), cl, elsize(t));
+  shim(aoti_torch_copy_(out.get(), t.get(), 0), "copy_");
   return out;
 }
 // `t` itself when it is dense in the order, else a copy held by `tmp`.

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from cpu_layout import benchmark as B  # noqa: E402
 from cpu_layout import models  # noqa: E402
-from cpu_layout.codegen import cpp_wrapper  # noqa: E402
+from cpu_layout import runtime  # noqa: E402
 
 # label -> (backend, wrapper)
 VARIANTS = {"eager": ("eager", "default"), "cpl": ("cpu_layout", "default"),
@@ -65,9 +65,9 @@ def run(name, dtype, shape, labels, args):
             c, xi = fns[label]
             peaks[label] = B.peak_memory(c, xi)
     c, xi = fns["cpl_cpp"]
-    before = cpp_wrapper.SegmentCall.calls
+    before = runtime.SegmentCall.calls
     c(xi)
-    segments = cpp_wrapper.SegmentCall.calls - before
+    segments = runtime.SegmentCall.calls - before
     return dict(model=name, dtype=dtype, shape=shape, batch=int(x.shape[0]), lat=lat, peaks=peaks,
                 segments=segments, notes=notes)
 

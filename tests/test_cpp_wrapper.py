@@ -93,9 +93,9 @@ def test_supported_graph_is_one_foreign_call_per_forward(amp, dynamic, monkeypat
         _no_python_runners(monkeypatch)
         for n in (2, 3, 5) if dynamic else (2, 2):
             x = torch.randn(n, 3, 16, 14)
-            before = cpp_wrapper.SegmentCall.calls
+            before = runtime.SegmentCall.calls
             y = fn(x)
-            assert cpp_wrapper.SegmentCall.calls - before == 1
+            assert runtime.SegmentCall.calls - before == 1
             ref = model(x)
             assert y.shape == ref.shape and y.stride() == ref.stride()
             tol = 3e-2 if amp else 1e-4
@@ -131,10 +131,10 @@ def test_unsupported_op_splits_the_graph_into_segments():
     model = CumsumInTheMiddle().eval()
     x = torch.randn(2, 3, 10, 10)
     fn = compile_cpp(model)
-    before = cpp_wrapper.SegmentCall.calls
+    before = runtime.SegmentCall.calls
     y = fn(x)
     ref = model(x)
-    assert cpp_wrapper.SegmentCall.calls - before == 2
+    assert runtime.SegmentCall.calls - before == 2
     assert y.stride() == ref.stride()
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
@@ -178,7 +178,7 @@ def test_buffers_are_reused_and_peak_memory_is_not_above_the_default_wrappers(co
         peaks[cpp] = benchmark.peak_memory(fn, x)
         if cpp:
             env = compiled_graphs[-1].__globals__
-            seg = next(v for v in env.values() if isinstance(v, cpp_wrapper.SegmentCall))
+            seg = next(v for v in env.values() if isinstance(v, runtime.SegmentCall))
             with open(seg.library.path[:-3] + ".cpp", encoding="utf-8") as f:
                 assert "clw::reuse(" in f.read(), "a dying same-size buffer lends its storage"
     one = 2 * 16 * 32 * 32 * 4
@@ -190,8 +190,8 @@ def test_an_error_inside_a_segment_is_a_python_exception(compiled_graphs):
     model = Plain(layers=2).eval()
     compile_cpp(model)(torch.randn(1, 16, 8, 8))
     env = compiled_graphs[0].__globals__
-    seg = next(v for v in env.values() if isinstance(v, cpp_wrapper.SegmentCall))
-    pack = next(v for v in env.values() if isinstance(v, cpp_wrapper._Prologue)).value[-1]
+    seg = next(v for v in env.values() if isinstance(v, runtime.SegmentCall))
+    pack = next(v for v in env.values() if isinstance(v, runtime.ConstantPrologue)).value[-1]
     # Tensors that do not match what the segment was compiled for are refused on entry.
     with pytest.raises(RuntimeError, match="cpu_layout: input .*size 5 at dim 1, compiled for 16"):
         seg([torch.randn(1, 5, 8, 8)], pack)
