@@ -7,6 +7,7 @@ median latency of
   eager_cl   eager, model and input in channels_last
   ind        Inductor, default configuration
   frz        Inductor with freezing + cpp_wrapper (its best CPU configuration)
+  frzpy      Inductor with freezing, default (Python) wrapper
   cpl        cpu_layout, default (Python) wrapper
   cplcpp     cpu_layout, C++ wrapper (options={"cpp_wrapper": True})
 timed in interleaved rounds in the same process (so machine noise hits all alike),
@@ -57,10 +58,13 @@ VARIANTS = {
     "eager_cl": ("eager", True, "default"),
     "ind": ("inductor", False, "default"),
     "frz": ("inductor_freezing", False, "cpp"),
+    "frzpy": ("inductor_freezing", False, "default"),
     "cpl": ("cpu_layout", False, "default"),
     "cplcpp": ("cpu_layout", False, "cpp"),
 }
-COMPILED = ("ind", "frz", "cpl", "cplcpp")
+COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp")
+# Like-for-like wrapper comparisons printed under the table: (ours, Inductor's).
+PAIRS = (("cpl", "frzpy"), ("cplcpp", "frz"))
 
 
 def log(msg):
@@ -222,6 +226,12 @@ def print_table(results, variants):
         g += " |" + "".join(fmt_x(B.geomean(cols[("f", v)])) for v in vs_frz)
     g += " |" + "".join(fmt_s(B.geomean(ctime[v]) if ctime[v] else None) for v in comp_cols)
     print(g)
+    for ours, theirs in PAIRS:
+        rs = [r["lat"][theirs] / r["lat"][ours] for r in results
+              if r["lat"].get(ours) and r["lat"].get(theirs)]
+        if rs:
+            print(f"{ours} vs {theirs} (same kind of wrapper): geomean {B.geomean(rs):.2f}x "
+                  f"(min {min(rs):.2f}, max {max(rs):.2f}, {len(rs)} configs; >1: {ours} faster)")
     for k, lst in cratio.items():
         if lst:
             print(f"compile time cpl / {k}: geomean {B.geomean(lst):.3f} "
