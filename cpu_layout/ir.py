@@ -207,6 +207,17 @@ class Graph:
             while node in b.users:
                 b.users.remove(node)
 
+    def remove_dead(self) -> None:
+        """Drop nodes whose result nothing reads (every node is functional)."""
+        live = set(values_of(self.output.values)) if self.output is not None else set()
+        for n in reversed(list(self.nodes)):
+            if isinstance(n, (Input, Output)):
+                continue
+            if n.out is None or (n.out not in live and not n.out.users):
+                self.remove(n)
+                continue
+            live.update(n.inputs)
+
     def replace_input(self, node: Node, old: Buffer, new: Buffer) -> None:
         node.inputs = [new if b is old else b for b in node.inputs]
         while node in old.users:

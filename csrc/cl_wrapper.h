@@ -8,12 +8,14 @@
  * written out here rather than included because torch's shim header pulls in
  * c10 headers that would multiply the compile time of every graph.
  */
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 extern "C" {
 struct AtenTensorOpaque;
@@ -202,6 +204,43 @@ static inline const H& ordered(const H& t, bool cl, H& tmp) {
   if (dense_in(t, cl)) return t;
   tmp = copy_in_order(t, cl);
   return tmp;
+}
+
+// Nearest 2-D upsampling to (oh, ow) in the output's planned layout. The C shim
+// exports no upsample forward, so this is ours; the source index is ATen's
+// (nearest_idx in UpSample.h) so results are bit-identical.
+static inline int64_t nearest_src(int64_t o, int64_t in, int64_t out) {
+  if (out == in) return o;
+  if (out == 2 * in) return o >> 1;
+  const float scale = (float)in / (float)out;
+  const int64_t i = (int64_t)std::floor((float)o * scale);
+  return i < in - 1 ? i : in - 1;
+}
+
+static inline H upsample_nearest2d(const H& x, int64_t oh, int64_t ow, bool cl) {
+  const int es = elsize(x);
+  const int64_t* s = sizes(x);
+  const int64_t* ist = strides(x);
+  const int64_t n = s[0], c = s[1], h = s[2], w = s[3];
+  const int64_t osz[4] = {n, c, oh, ow};
+  H out = empty_dense(4, osz, cl, es);
+  const int64_t* ost = strides(out);
+  std::vector<int64_t> iy(oh), ix(ow);
+  for (int64_t o = 0; o < oh; ++o) iy[o] = nearest_src(o, h, oh);
+  for (int64_t o = 0; o < ow; ++o) ix[o] = nearest_src(o, w, ow);
+  const char* src = (const char*)data(x);
+  char* dst = (char*)data(out);
+  const bool rows = ist[1] == 1 && ost[1] == 1;  // channels innermost on both sides: copy C at once
+#pragma omp parallel for collapse(2) if (n * oh * ow * c > 16384)
+  for (int64_t b = 0; b < n; ++b)
+    for (int64_t y = 0; y < oh; ++y)
+      for (int64_t xo = 0; xo < ow; ++xo) {
+        const char* sp = src + (b * ist[0] + iy[y] * ist[2] + ix[xo] * ist[3]) * es;
+        char* dp = dst + (b * ost[0] + y * ost[2] + xo * ost[3]) * es;
+        if (rows) { std::memcpy(dp, sp, (size_t)(c * es)); continue; }
+        for (int64_t k = 0; k < c; ++k) std::memcpy(dp + k * ost[1] * es, sp + k * ist[1] * es, (size_t)es);
+      }
+  return out;
 }
 
 // Sizes broadcast right-aligned to nd dims (a kernel's output shape).

@@ -309,6 +309,37 @@ def test_reductions_run_as_generated_kernels(amp, in_format, dynamic, compiled_g
         assert len(compiled_graphs) == 1, "a new size ran without recompiling"
 
 
+class Upsampling(nn.Module):
+    def __init__(self, size=None):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.size = size
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        if self.size is None:
+            return F.interpolate(y, scale_factor=2, mode="nearest") * 2.0
+        return F.interpolate(y, size=self.size, mode="nearest") * 2.0
+
+
+@pytest.mark.parametrize("size", [None, (7, 13)], ids=["x2", "7x13"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_nearest_upsample_is_recognised_and_exact(size, amp, in_format, compiled_graphs):
+    model = Upsampling(size).eval()
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 3, 5, 6).contiguous(memory_format=fmt)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        y = torch.compile(model, backend="cpu_layout", options={"debug": True})(x)
+        ref = model(x)
+    assert y.shape == ref.shape and y.stride() == ref.stride()
+    torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2 if amp else 1e-4, atol=3e-2 if amp else 1e-4)
+    g = compiled_graphs[0].cpu_layout_graph
+    targets = {getattr(n, "target", None) for n in g.walk()}
+    assert torch.ops.aten.upsample_nearest2d.default in targets, g.dump()
+    assert torch.ops.aten._unsafe_index.Tensor not in targets
+
+
 class PooledOutputs(nn.Module):
     """Outputs whose eager strides differ from another layout's only at size-1 dims."""
 

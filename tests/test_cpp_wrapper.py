@@ -203,6 +203,20 @@ def test_an_error_inside_a_segment_is_a_python_exception(compiled_graphs):
     assert y[0].shape == (1, 16, 8, 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("size", [(5, 6), (10, 12), (13, 7)], ids=["same", "x2", "odd"])
+def test_own_nearest_upsample_is_bit_identical_to_atens(size, in_format, dtype, compiled_graphs):
+    fmt = torch.channels_last if in_format == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 4, 5, 6, dtype=dtype).contiguous(memory_format=fmt)
+    fn = compile_cpp(lambda t: F.interpolate(t, size=size, mode="nearest"))
+    y, ref = fn(x), F.interpolate(x, size=size, mode="nearest")
+    assert torch.equal(y, ref) and y.stride() == ref.stride()
+    seg = next(n for n in compiled_graphs[0].cpu_layout_graph.nodes if isinstance(n, ir.Segment))
+    targets = [getattr(m, "target", None) for m in seg.members]
+    assert torch.ops.aten.upsample_nearest2d.default in targets, targets
+
+
 def test_size_expressions_print_as_cpp():
     import sympy
     from torch.utils._sympy.functions import FloorDiv

@@ -46,6 +46,8 @@ VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.p
 SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, aten.addmm.default,
             aten.mm.default, aten._unsafe_index.Tensor, aten.index.Tensor)
 _INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
+# ATen ops the shim lacks that csrc/cl_wrapper.h implements itself.
+OWN_OPS = (aten.upsample_nearest2d.default,)
 # Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
 _HELD_ES = {**_ES, torch.int64: 8}
 
@@ -85,8 +87,9 @@ def runs_in_cpp(n: ir.Node) -> bool:
     """THE rule: a node runs inside a C++ segment when it is
     - a convolution on constant float weights (the extension's oneDNN path),
     - a fused element-wise kernel or a reduction (generated code),
-    - an ATen op libtorch's C shim exports (SHIM_OPS) with float tensors and
-      static arguments, or a view whose sizes print as C++ (VIEW_OPS).
+    - an ATen op libtorch's C shim exports (SHIM_OPS) or csrc/cl_wrapper.h
+      implements (OWN_OPS) with float tensors and static arguments, or a view
+      whose sizes print as C++ (VIEW_OPS).
     Everything else (other ATen ops, symbolic scalar arithmetic, ops on
     integer tensors) is a Python node between segments."""
     if isinstance(n, ir.Conv):
@@ -106,6 +109,9 @@ def runs_in_cpp(n: ir.Node) -> bool:
                 and all(i is None or (isinstance(i, ir.Buffer) and i.dtype == torch.int64) for i in idx))
     if not all(_float_tensor(b) for b in n.inputs if b.is_tensor):
         return False
+    if n.target is aten.upsample_nearest2d.default:  # output size given, no scales
+        return (not n.kwargs and len(n.args) == 2 and n.inputs[0].rank == 4 and _static(n.args[1])
+                and len(n.args[1]) == 2)
     if n.target in VIEW_OPS:
         try:
             [S.cexpr(s) for s in n.out.size]
@@ -162,17 +168,6 @@ def _hoist_batch_norm(g: ir.Graph) -> None:
         new_w.users.append(conv)
         new_b.users.append(conv)
         conv.weight, conv.bias, conv.bn, conv.prefolded = new_w, new_b, None, bn
-
-
-def _remove_dead(g: ir.Graph) -> None:
-    live = set(ir.values_of(g.output.values))
-    for n in reversed(g.nodes):
-        if isinstance(n, (ir.Input, ir.Output)):
-            continue
-        if n.out is None or (n.out not in live and not n.out.users):
-            g.remove(n)
-            continue
-        live.update(n.inputs)
 
 
 # ---- C++ emission --------------------------------------------------------------------
@@ -399,6 +394,11 @@ class _SegmentEmitter:
             e("  AtenTensorHandle o;")
             e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
             e(f"  {out} = clw::H(o);")
+        elif t is aten.upsample_nearest2d.default:
+            cl = _cl(n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS)
+            x = self.read(n, a[0], n.out.name)
+            e(f"  {out} = clw::upsample_nearest2d({x}, {int(a[1][0])}, {int(a[1][1])}, {cl});")
+            self.fresh.add(n.out)
         elif t in _INDEX_OPS:
             x = self.read(n, a[0], n.out.name)
             hs, ptrs = [], []
@@ -557,7 +557,7 @@ def _prepare(g: ir.Graph) -> None:
                 while n in b.users:
                     b.users.remove(n)
             n.inputs = [b for b in n.inputs if b.is_tensor]
-    _remove_dead(g)
+    g.remove_dead()
 
 
 def _partition(g: ir.Graph):
