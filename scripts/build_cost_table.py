@@ -55,11 +55,6 @@ CLASSES = [
 ]
 
 
-def isa() -> str:
-    """oneDNN's ISA name (the key the planner looks tables up by)."""
-    return cpu_isa()
-
-
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -115,7 +110,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few classes, for smoke tests")
     args = ap.parse_args()
     if args.out is None:
-        args.out = os.path.join(DATA_DIR, f"conv_cost_table_{isa()}.json")
+        args.out = os.path.join(DATA_DIR, f"conv_cost_table_{cpu_isa()}.json")
 
     torch.set_num_threads(1)  # the table is per-core; the planner compares layouts, not thread scaling
     torch.manual_seed(0)
@@ -123,7 +118,9 @@ def main():
     classes = CLASSES[:6] if args.quick else CLASSES
     # bf16 is emulated (f32 compute) without avx512_bf16/amx: ~10x slower, so
     # measure it at half the spatial size; the planner scales by FLOPs anyway.
-    slow_bf16 = "bf16" not in isa()
+    from cpu_layout import _native
+
+    slow_bf16 = not _native.native_bf16()
     start = time.perf_counter()
     entries = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -163,7 +160,7 @@ def main():
         "version": 1,
         "unit": "microseconds (median, 1 thread, batch 1)",
         "backend": name,
-        "isa": isa(),
+        "isa": cpu_isa(),
         "cpu": cpu_name(),
         "torch": torch.__version__,
         "threads": 1,
