@@ -227,9 +227,8 @@ class ConstantPrologue:
     """cpp_wrapper mode: the module-state nodes as one memoized Python function,
     plus each C++ segment's constant pack (address, weight serial, version per constant)."""
 
-    def __init__(self, fn, exports, packs, ffi):
+    def __init__(self, fn, packs, ffi):
         self.fn = fn
-        self.exports = exports          # Buffers it returns, in order
         self.packs = packs              # per segment: [(export index, is conv weight, size, strides)]
         self.ffi = ffi
         self.key = None

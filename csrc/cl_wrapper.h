@@ -146,9 +146,9 @@ static inline H reuse(H&& dead, int nd, const int64_t* sz, bool cl, int es) {
   int64_t st[16], n = 1;
   dense_strides(nd, sz, cl, st);
   for (int i = 0; i < nd; ++i) n *= sz[i];
-  int64_t off;
-  shim(aoti_torch_get_storage_offset(dead.get(), &off), "storage_offset");
-  if (!dead || off != 0 || numel(dead) < n) { dead.reset(); return empty(nd, sz, st, es); }
+  int64_t off = -1;
+  if (dead) shim(aoti_torch_get_storage_offset(dead.get(), &off), "storage_offset");
+  if (off != 0 || numel(dead) < n) { dead.reset(); return empty(nd, sz, st, es); }
   AtenTensorHandle h;
   shim(aoti_torch__reinterpret_tensor(dead.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
   dead.reset();

@@ -6,3 +6,29 @@ import torch
 def no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture
+def strict_compile(monkeypatch):
+    """Fallbacks are errors (CPU_LAYOUT_STRICT=1); Dynamo starts and ends clean."""
+    monkeypatch.setenv("CPU_LAYOUT_STRICT", "1")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """Every wrapper the backend generates, in order."""
+    from cpu_layout import backend
+
+    made = []
+    real = backend.compile_graph
+
+    def spy(gm, inputs, options):
+        call = real(gm, inputs, options)
+        made.append(call)
+        return call
+
+    monkeypatch.setattr(backend, "compile_graph", spy)
+    return made

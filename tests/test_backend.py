@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import cpu_layout.backend as backend
 from cpu_layout import ir, models
 
-pytestmark = pytest.mark.usefixtures("no_grad")
+pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
 
 
 @pytest.fixture(autouse=True, params=["default", "cpp"])
@@ -25,29 +25,6 @@ def wrapper(request, monkeypatch):
     """Every test here runs under both wrappers (CPU_LAYOUT_CPP_WRAPPER selects)."""
     monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
     return request.param
-
-
-@pytest.fixture(autouse=True)
-def strict(monkeypatch):
-    monkeypatch.setenv("CPU_LAYOUT_STRICT", "1")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def compiled_graphs(monkeypatch):
-    """Every wrapper the backend generates, in order."""
-    made = []
-    real = backend.compile_graph
-
-    def spy(gm, inputs, options):
-        call = real(gm, inputs, options)
-        made.append(call)
-        return call
-
-    monkeypatch.setattr(backend, "compile_graph", spy)
-    return made
 
 
 def run_both(model, x, amp=False, dynamic=False, **opts):

@@ -12,31 +12,7 @@ import torch.nn.functional as F
 from cpu_layout import benchmark, ir, models, ops, runtime
 from cpu_layout.codegen import cpp_kernels, cpp_wrapper
 
-pytestmark = pytest.mark.usefixtures("no_grad")
-
-
-@pytest.fixture(autouse=True)
-def strict(monkeypatch):
-    monkeypatch.setenv("CPU_LAYOUT_STRICT", "1")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def compiled_graphs(monkeypatch):
-    from cpu_layout import backend
-
-    made = []
-    real = backend.compile_graph
-
-    def spy(gm, inputs, options):
-        call = real(gm, inputs, options)
-        made.append(call)
-        return call
-
-    monkeypatch.setattr(backend, "compile_graph", spy)
-    return made
+pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
 
 
 def compile_cpp(model, dynamic=False, **opts):

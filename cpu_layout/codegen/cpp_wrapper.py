@@ -360,10 +360,7 @@ class _SegmentEmitter:
                 e(f"  {out} = clw::unsqueeze({x}, {d});")
         elif t is aten.max_pool2d.default:
             x = self.read(n, a[0], n.out.name)
-            k = list(a[1]) * (2 // len(a[1]))
-            st = list(a[2]) if len(a) > 2 and a[2] else k
-            st = st * (2 // len(st))
-            pad = _pair(a[3] if len(a) > 3 else 0)
+            k, st, pad = _pool_window(a)
             dil = _pair(a[4] if len(a) > 4 else 1)
             ceil = int(bool(a[5])) if len(a) > 5 else 0
             e(f"  const int64_t k[] = {_arr(k)}, s[] = {_arr(st)}, p[] = {_arr(pad)}, dl[] = {_arr(dil)};")
@@ -373,10 +370,7 @@ class _SegmentEmitter:
             e(f"  clw::H drop(idx); {out} = clw::H(o);")
         elif t is aten.avg_pool2d.default:
             x = self.read(n, a[0], n.out.name)
-            k = list(a[1]) * (2 // len(a[1]))
-            st = list(a[2]) if len(a) > 2 and a[2] else k
-            st = st * (2 // len(st))
-            pad = _pair(a[3] if len(a) > 3 else 0)
+            k, st, pad = _pool_window(a)
             ceil = int(bool(a[4])) if len(a) > 4 else 0
             incl = int(bool(a[5])) if len(a) > 5 else 1
             div = a[6] if len(a) > 6 else None
@@ -401,7 +395,7 @@ class _SegmentEmitter:
             self.fresh.add(n.out)
         elif t in _INDEX_OPS:
             x = self.read(n, a[0], n.out.name)
-            hs, ptrs = [], []
+            ptrs = []
             for j, i in enumerate(a[1]):
                 if i is None:
                     ptrs.append("nullptr")
@@ -412,7 +406,6 @@ class _SegmentEmitter:
             e("  AtenTensorHandle o;")
             e(f"  clw::shim(aoti_torch_cpu_index_Tensor({x}.get(), idx, {len(ptrs)}, &o), \"{n.name}: index\");")
             e(f"  {out} = clw::H(o);")
-            del hs
         else:  # addmm / mm
             mm = t is aten.mm.default
             names = [self.read(n, b, f"{n.out.name}_{i}") for i, b in enumerate(a[:2] if mm else a[:3])]
@@ -438,6 +431,13 @@ class _SegmentEmitter:
 def _pair(v):
     v = list(v) if isinstance(v, (list, tuple)) else [v]
     return v * (2 // len(v)) if len(v) in (1, 2) else v
+
+
+def _pool_window(a):
+    """kernel, stride (empty: the kernel) and padding of a 2-D pool's ATen arguments."""
+    k = _pair(a[1])
+    st = _pair(a[2]) if len(a) > 2 and a[2] else k
+    return k, st, _pair(a[3] if len(a) > 3 else 0)
 
 
 def _nbytes_key(b: ir.Buffer):
@@ -718,7 +718,7 @@ def build(g: ir.Graph, debug: bool = False):
             weights = {m.weight for m in seg.members if isinstance(m, ir.Conv)}
             pack_entries.append([(exports.index(b), b in weights, tuple(b.size), _static_strides(b))
                                  for b in seg.consts])
-        runners[pro_node] = runtime.ConstantPrologue(fn, exports, pack_entries,
+        runners[pro_node] = runtime.ConstantPrologue(fn, pack_entries,
                                                      library.ffi if library else ops.ffi)
     for _, seg in segs:
         call = runtime.SegmentCall(seg.name, len(seg.outs))
