@@ -14,3 +14,11 @@ def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"cpu_layout.{name}")
     raise AttributeError(f"module 'cpu_layout' has no attribute {name!r}")
+
+
+def refresh() -> None:
+    """Recompute every folded or reordered weight from the current parameters
+    on the next call. Needed only after a change PyTorch cannot track: an
+    in-place update of an inference tensor inside torch.inference_mode(), or
+    a write through `tensor.data` (see README, "Module state")."""
+    importlib.import_module("cpu_layout.ops").refresh()

@@ -84,7 +84,7 @@ def _eager(gm):
 
 def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend; registered as `cpu_layout` through an entry point."""
-    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._dynamo.backends.common import aot_autograd
 
     options = dict(kwargs.pop("options", None) or {})
     kwargs.pop("mode", None)
@@ -107,7 +107,12 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
             _fallback_warning(f"{type(exc).__name__}: {exc}")
             return _eager(fx_gm)
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler)
+    # Dynamo's own aot_autograd wrapper, as its aot_eager backend uses: it keeps
+    # Dynamo out of the compiled function (a graph split by a break of the DDP
+    # optimizer's kind would otherwise hand the first caller a FakeTensor).
+    # Input mutations stay in the graph (copy_/set_ into a parameter through
+    # `.data`), where they run as ATen ops in order.
+    return aot_autograd(fw_compiler=fw_compiler, keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 @functools.lru_cache(maxsize=None)

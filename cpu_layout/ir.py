@@ -152,6 +152,9 @@ class Aten(Node):
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     multi: bool = False  # returns a tuple; Getitem nodes pick from it
+    # Writes into an input (copy_/set_ of a graph input the forward mutated):
+    # runs every call, in graph order, even though nothing reads its result.
+    effects: bool = False
 
 
 @dataclass(eq=False)
@@ -208,12 +211,14 @@ class Graph:
                 b.users.remove(node)
 
     def remove_dead(self) -> None:
-        """Drop nodes whose result nothing reads (every node is functional)."""
+        """Drop nodes whose result nothing reads (every node but input mutations is functional)."""
         live = set(values_of(self.output.values)) if self.output is not None else set()
         for n in reversed(list(self.nodes)):
             if isinstance(n, (Input, Output)):
                 continue
-            if n.out is None or (n.out not in live and not n.out.users):
+            if getattr(n, "effects", False):
+                pass
+            elif n.out is None or (n.out not in live and not n.out.users):
                 self.remove(n)
                 continue
             live.update(n.inputs)

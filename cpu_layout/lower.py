@@ -128,8 +128,10 @@ class Lowering:
         kwargs = self._arg(n.kwargs) if kwargs is None else kwargs
         multi = isinstance(self._val(n), (tuple, list))
         out = self._buffer_for(n)
-        node = ir.Aten(n.name, ir.values_of((args, kwargs)), out, rule=rule, target=target or n.target,
-                       args=args, kwargs=kwargs, multi=multi)
+        target = target or n.target
+        effects = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+        node = ir.Aten(n.name, ir.values_of((args, kwargs)), out, rule=rule, target=target,
+                       args=args, kwargs=kwargs, multi=multi, effects=effects)
         self.g.add(node)
         return out
 
@@ -146,8 +148,14 @@ class Lowering:
         bb = self.env[b] if b is not None else None
         out = self._buffer_for(n)
         inputs = [xb, wb] + ([bb] if bb is not None else [])
-        node = ir.Conv(n.name, inputs, out, x=xb, weight=wb, bias=bb, stride=tuple(stride),
-                       padding=tuple(padding), dilation=tuple(dilation), groups=int(groups))
+        nsp = xv.dim() - 2
+
+        def per_dim(v):  # ATen repeats a one-element stride/padding/dilation for every dim
+            v = tuple(int(i) for i in v)
+            return v * nsp if len(v) == 1 else v
+
+        node = ir.Conv(n.name, inputs, out, x=xb, weight=wb, bias=bb, stride=per_dim(stride),
+                       padding=per_dim(padding), dilation=per_dim(dilation), groups=int(groups))
         self.g.add(node)
         return out
 
@@ -350,6 +358,19 @@ class Lowering:
             return self._aten(n, ir.FOLLOW)
         return self._aten(n, ir.EAGER)
 
+    def _graph_constant(self, n: FxNode):
+        """A tensor the graph module holds (a lifted constant, e.g. a relative
+        position index): module state, produced by a node with no inputs."""
+        value = operator.attrgetter(n.target)(self.gm)
+        if not isinstance(value, torch.Tensor):
+            raise NotImplementedError(f"get_attr {n.target} of type {type(value).__name__}")
+        out = self.g.new_buffer("const", size=tuple(value.shape), dtype=value.dtype,
+                                eager_stride=tuple(value.stride()))
+        self.g.add(ir.Aten(n.name, [], out, rule=ir.EAGER, target=runtime.GraphConstant(value),
+                           args=(), kwargs={}))
+        out.constant = True
+        return out
+
     def run(self) -> ir.Graph:
         index = 0
         for n in self.gm.graph.nodes:
@@ -369,10 +390,12 @@ class Lowering:
                 if isinstance(r, ir.Buffer) and node is not None and node.out is r:
                     # A cast or view of module state is module state too.
                     tensors = [b for b in node.inputs if b.is_tensor]
-                    r.constant = bool(tensors) and all(b.constant for b in tensors) and not isinstance(
-                        node, ir.Conv)
+                    r.constant = (bool(tensors) and all(b.constant for b in tensors)
+                                  and not isinstance(node, ir.Conv) and not getattr(node, "effects", False))
                     if isinstance(node, ir.Aten) and node.target in CONSTANT_FACTORIES and not node.inputs:
                         r.constant = r.is_tensor
+            elif n.op == "get_attr":
+                self.env[n] = self._graph_constant(n)
             elif n.op == "output":
                 vals = [self._arg(v) for v in n.args[0]]
                 self.g.add(ir.Output("output", ir.values_of(vals), None, values=vals))

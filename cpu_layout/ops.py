@@ -59,6 +59,38 @@ _CL_FORMAT = {1: None, 2: torch.channels_last, 3: torch.channels_last_3d}
 
 # ---- weight identity ---------------------------------------------------------
 
+# Bumped by refresh(): part of every key that says "module state unchanged".
+_state_epoch = 0
+# Inference tensors keep no version counter; this stands in for it (negative,
+# so it never equals a real counter).
+INFERENCE_VERSION = -2
+
+
+def content_version(t: torch.Tensor) -> int:
+    """The tensor's version counter, which PyTorch bumps on every in-place change.
+
+    Inference tensors (made under torch.inference_mode()) have none, and an
+    in-place change made to one inside inference mode leaves no trace:
+    their contents are taken as unchanged until refresh() says otherwise.
+    """
+    return INFERENCE_VERSION if t.is_inference() else t._version
+
+
+def state_epoch() -> int:
+    return _state_epoch
+
+
+def refresh() -> None:
+    """Declare that module state may have changed where PyTorch cannot tell
+    (an inference tensor modified in place inside inference mode, a write
+    through `tensor.data`): every folded or reordered weight is recomputed
+    from the current parameters on the next call."""
+    global _state_epoch
+    with _serial_lock:
+        _state_epoch += 1
+    lib.cl_clear_caches()
+
+
 _serials = itertools.count(1)
 _serial_lock = threading.Lock()
 
@@ -243,7 +275,8 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
         raise TypeError(f"input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
     if bias is not None and bias.dtype != x.dtype:
         raise TypeError(f"input ({x.dtype}) and bias ({bias.dtype}) must have the same dtype")
-    if x.numel() == 0:
+    if x.numel() == 0 and (x.shape[0] != 0 or 0 in x.shape[1:]):
+        # An empty batch is fine (eager returns an empty result); other empty dims are not.
         raise ValueError(f"input is empty (size {tuple(x.shape)})")
     if weight.numel() == 0:
         raise ValueError(f"weight is empty (size {tuple(weight.shape)})")
@@ -396,12 +429,14 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
         residuals = kept  # keeps converted copies alive through the call
         res_ptrs = ffi.new("uintptr_t[]", [r.data_ptr() for r in kept])
     y = empty_dense(prob.out_size, x.dtype, prob.dst_cl)
+    if y.numel() == 0:  # an empty batch: oneDNN takes no zero-sized problem
+        return y.squeeze(0) if unbatched else y
     rc = lib.cl_conv_forward(
         prob.args,
         x.data_ptr(),
         weight.data_ptr(),
         _weight_serial(weight),
-        weight._version,
+        content_version(weight),
         bias.data_ptr() if bias is not None else 0,
         y.data_ptr(),
         res_ptrs,

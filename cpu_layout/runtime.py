@@ -24,8 +24,15 @@ def _planned_cl(order: str, rank: int) -> bool:
     return order == L.CHANNELS_LAST and rank in (4, 5)
 
 
-def to_order(x: torch.Tensor, order: str) -> torch.Tensor:
-    """`x` dense in `order` (a no-op when it already is: size-1 dims are ignored)."""
+def to_order(x: torch.Tensor, order) -> torch.Tensor:
+    """`x` dense in `order`, a named order or a permutation of the dims (a
+    no-op when it already is: size-1 dims are ignored)."""
+    if isinstance(order, tuple):
+        if L.is_in_order(tuple(x.shape), tuple(x.stride()), order):
+            return x
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        out = torch.empty([x.shape[d] for d in order], dtype=x.dtype).permute(inverse)
+        return out.copy_(x)
     if order not in L.LABELS:
         return x
     return ops.to_dense(x, _planned_cl(order, x.dim()))
@@ -59,7 +66,7 @@ def check_layout(x, order: str, name: str) -> None:
 
 
 def _key(t: Optional[torch.Tensor]):
-    return None if t is None else (t.data_ptr(), t._version, t.dtype)
+    return None if t is None else (t.data_ptr(), ops.content_version(t), t.dtype)
 
 
 def _bn_inv_std(w, var, eps):
@@ -94,6 +101,17 @@ def fold_batch_norm(w, b, bn_w, bn_b, mean, var, eps: float):
         return wf, shift.to(w.dtype).contiguous()
 
 
+class GraphConstant:
+    """A tensor attribute of the graph module (FX get_attr), returned as it is."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+        self.__name__ = "graph_constant"
+
+    def __call__(self) -> torch.Tensor:
+        return self.value
+
+
 class Memoized:
     """Runs `fn` again only when one of its tensor arguments changed (storage
     or version counter): for nodes computed from module state alone."""
@@ -104,7 +122,7 @@ class Memoized:
         self.value = None
 
     def __call__(self, *args, **kwargs):
-        key = tuple(_key(a) if isinstance(a, torch.Tensor) else None for a in args)
+        key = (ops.state_epoch(),) + tuple(_key(a) if isinstance(a, torch.Tensor) else None for a in args)
         key += tuple(_key(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
         if key != self.key or self.value is None:
             self.value = self.fn(*args, **kwargs)
@@ -235,7 +253,7 @@ class ConstantPrologue:
         self.value = None
 
     def __call__(self, *params):
-        key = tuple((p.data_ptr(), p._version) if isinstance(p, torch.Tensor) else p for p in params)
+        key = (ops.state_epoch(),) + tuple(_key(p) if isinstance(p, torch.Tensor) else p for p in params)
         if key == self.key and self.value is not None:
             return self.value
         vals = tuple(self.fn(list(params)))
@@ -248,7 +266,7 @@ class ConstantPrologue:
                     raise RuntimeError(
                         f"cpu_layout: a module constant has size {tuple(t.shape)} and stride "
                         f"{t.stride()}; the graph was compiled for {size} and {want}")
-                flat += [t.data_ptr(), ops._weight_serial(t) if is_weight else 0, t._version]
+                flat += [t.data_ptr(), ops._weight_serial(t) if is_weight else 0, ops.content_version(t)]
             packs.append(self.ffi.new("int64_t[]", flat or [0]))
         self.value = (*vals, *packs)
         self.key = key

@@ -163,11 +163,11 @@ static inline H blob(uintptr_t p, int nd, const int64_t* sz, const int64_t* st, 
   return H(h);
 }
 
+// A view of `t` at its own storage offset. The shim's last argument is added
+// to `t`'s offset (torch::inductor::_reinterpret_tensor), so it is 0 here.
 static inline H alias(const H& t, int nd, const int64_t* sz, const int64_t* st) {
-  int64_t off;
-  shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
   AtenTensorHandle h;
-  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, off, &h), "reinterpret_tensor");
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
   return H(h);
 }
 

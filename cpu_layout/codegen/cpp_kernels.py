@@ -386,7 +386,9 @@ static void reduction(const int64_t* sizes, void* const* data, const int64_t* st
 """
 
 
-def _lit(v: float) -> str:
+def float_literal(v: float) -> str:
+    """A C++ float literal for any Python float, infinities and NaN included."""
+    v = float(v)
     if v != v:
         return '__builtin_nanf("")'
     if v in (float("inf"), float("-inf")):
@@ -404,7 +406,7 @@ class _Emitter:
 
     def __call__(self, e) -> str:
         if isinstance(e, Const):
-            return _lit(e.value)
+            return float_literal(e.value)
         if e in self.memo:
             return self.memo[e]
         if isinstance(e, Load):
@@ -443,22 +445,22 @@ class _Emitter:
         if n == "relu6":
             return f"cl::min_(cl::max_({x}, 0.f), 6.f)"
         if n == "leaky_relu":
-            return f"{x} > 0.f ? {x} : {x} * {_lit(p[0])}"
+            return f"{x} > 0.f ? {x} : {x} * {float_literal(p[0])}"
         if n == "gelu":
             return f"cl::gelu{'_tanh' if p[0] == 'tanh' else ''}({x})"
         if n == "where":
             return f"({x} != 0.f) ? {a[1]} : {a[2]}"
         if n == "clamp":
             if p[0] is not None:
-                x = f"cl::max_({x}, {_lit(p[0])})"
+                x = f"cl::max_({x}, {float_literal(p[0])})"
             if p[1] is not None:
-                x = f"cl::min_({x}, {_lit(p[1])})"
+                x = f"cl::min_({x}, {float_literal(p[1])})"
             return x
         if n == "pow":  # torch's special cases for scalar exponents
             special = {2.0: f"{x} * {x}", 3.0: f"{x} * {x} * {x}", 0.5: f"std::sqrt({x})",
                        -0.5: f"1.f / std::sqrt({x})", -1.0: f"1.f / {x}",
                        -2.0: f"1.f / ({x} * {x})", 1.0: x, 0.0: "1.f"}
-            return special.get(p[0], f"std::pow({x}, {_lit(p[0])})")
+            return special.get(p[0], f"std::pow({x}, {float_literal(p[0])})")
         raise AssertionError(n)  # expr.Op validated the name
 
 

@@ -35,6 +35,7 @@ from cpu_layout import ir
 from cpu_layout import layout as L
 from cpu_layout import ops, runtime
 from cpu_layout.codegen import sizes as S
+from cpu_layout.codegen.cpp_kernels import float_literal
 
 aten = torch.ops.aten
 
@@ -268,8 +269,8 @@ class _SegmentEmitter:
               f"than the padded input\");")
         e(f"  a.n_post_ops = {len(parsed)};")
         for i, (kind, alpha, beta, _) in enumerate(parsed):
-            e(f"  a.post_ops[{i}].kind = {kind}; a.post_ops[{i}].alpha = {float(alpha)!r}f; "
-              f"a.post_ops[{i}].beta = {float(beta)!r}f;")
+            e(f"  a.post_ops[{i}].kind = {kind}; a.post_ops[{i}].alpha = {float_literal(alpha)}; "
+              f"a.post_ops[{i}].beta = {float_literal(beta)};")
         dims = ", ".join(["a.n", "a.oc"] + [f"a.out_sp[{i}]" for i in range(nsp)])
         e(f"  const int64_t osz[] = {{{dims}}};")
         self.alloc(n.out, nsp + 2, "osz", donor)
@@ -280,8 +281,9 @@ class _SegmentEmitter:
             e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
             res_names.append(f"clw::addr(res{j})")
         e(f"  const uintptr_t res[] = {{{', '.join(res_names) or '0'}}};")
+        # An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
         bias = f"(uintptr_t)consts[{3 * bi}]" if bi is not None else "0"
-        e(f"  if (clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts[{3 * wi}], "
+        e(f"  if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts[{3 * wi}], "
           f"(unsigned long long)consts[{3 * wi + 1}], consts[{3 * wi + 2}], {bias}, clw::addr(tmp_out), "
           f"{'res' if residuals else 'nullptr'}))")
         e(f"    clw::fail(std::string(\"{n.name}: \") + clw::conv_error());")

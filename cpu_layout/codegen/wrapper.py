@@ -80,13 +80,18 @@ def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
 
 
 def _canonical_eager_order(b: ir.Buffer):
-    """The order whose torch stride formula gives exactly eager's strides for
-    this output, when it differs from the other order's only in size-1 dims."""
-    if not b.is_tensor or b.rank not in (4, 5) or b.layout == ir.EAGER:
+    """The order whose dense stride formula gives exactly eager's strides for
+    this output (a named order, else eager's own permutation of the dims, as
+    ATen gives element-wise results of permuted inputs), or None when eager's
+    strides are not dense in any order."""
+    if not b.is_tensor or b.layout == ir.EAGER:
         return None
-    for order in (L.CONTIGUOUS, L.CHANNELS_LAST):
+    for order in (L.CONTIGUOUS, L.CHANNELS_LAST) if b.rank in (4, 5) else (L.CONTIGUOUS,):
         if L.same_sizes(L.strides_for_order(b.size, order), b.eager_stride):
             return order
+    perm = L.stride_order(b.size, b.eager_stride)
+    if L.same_sizes(L.strides_for_order(b.size, perm), b.eager_stride):
+        return perm
     return None
 
 

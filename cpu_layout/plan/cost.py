@@ -131,12 +131,14 @@ class CostModel:
         n, cin = hint(conv.in_size[0]), hint(conv.in_size[1])
         spatial_in = tuple(hint(s) for s in conv.in_size[2:])
         spatial_out = tuple(hint(s) for s in conv.size[2:])
-        key = (conv.dtype, n, cin, conv.out_channels, conv.groups, conv.kernel, conv.stride,
+        # A weight that is a graph input has symbolic sizes under dynamic=True.
+        cout, kernel = hint(conv.out_channels), tuple(hint(k) for k in conv.kernel)
+        key = (conv.dtype, n, cin, cout, conv.groups, kernel, conv.stride,
                conv.dilation, spatial_in, spatial_out)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = self._conv_cost(conv.dtype, n, cin, conv.out_channels, conv.groups,
-                                                    conv.kernel, conv.stride, spatial_in, spatial_out)
+            got = self._memo[key] = self._conv_cost(conv.dtype, n, cin, cout, conv.groups,
+                                                    kernel, conv.stride, spatial_in, spatial_out)
         return got
 
     def _conv_cost(self, dtype, n, cin, cout, groups, kernel, stride, spatial_in, spatial_out) -> ConvCost:

@@ -1,0 +1,191 @@
+"""What real usage hits: torch.inference_mode(), inference-tensor parameters and
+their staleness, empty batches, constants the graph module holds, views at a
+storage offset, permuted outputs, one-element conv arguments, infinite clamp
+bounds, and forwards that mutate a parameter through `.data`.
+
+Every compile runs strict (a whole-graph fallback is an error) under both
+wrappers. Tolerances: fp32 1e-4 of the output's largest magnitude (plus 1e-4
+relative); AMP 3e-2 of it, as in test_backend.py.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import cpu_layout
+from cpu_layout import models
+
+pytestmark = pytest.mark.usefixtures("strict_compile")
+
+
+@pytest.fixture(autouse=True, params=["default", "cpp"])
+def wrapper(request, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
+    return request.param
+
+
+def assert_matches(y, ref, amp=False):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert y.stride() == ref.stride(), f"strides {y.stride()} vs eager's {ref.stride()}"
+    scale = ref.float().abs().max().item() if ref.numel() else 1.0
+    tol = 3e-2 if amp else 1e-4
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * (scale or 1.0))
+
+
+def conv_bn_net():
+    torch.manual_seed(0)
+    m = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Hardswish(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+    with torch.no_grad():
+        for bn in (m[1], m[5]):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+# ---- inference_mode ---------------------------------------------------------------
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_inference_mode_with_batch_norm(amp, dynamic, compiled_graphs):
+    model = conv_bn_net()
+    fn = torch.compile(model, backend="cpu_layout", dynamic=dynamic, options={"debug": True})
+    for bs in (2, 3):
+        x = torch.randn(bs, 3, 16, 16)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            assert_matches(fn(x), model(x), amp)
+    assert len(compiled_graphs) == 1 + (not dynamic)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_inference_mode_builtin_models(name):
+    model, x = models.build(name)
+    fn = torch.compile(model, backend="cpu_layout")
+    with torch.inference_mode():
+        assert_matches(fn(x), model(x))
+    with torch.no_grad():  # the same compiled model, then under no_grad
+        assert_matches(fn(x), model(x))
+
+
+def test_normal_parameter_changed_inside_inference_mode_is_seen():
+    model = conv_bn_net()
+    fn = torch.compile(model, backend="cpu_layout")
+    x = torch.randn(2, 3, 16, 16)
+    with torch.inference_mode():
+        fn(x)
+        model[0].weight.mul_(-1.5)        # a normal tensor: its version counter moves
+        model[1].running_var.add_(0.25)
+        assert_matches(fn(x), model(x))
+
+
+def test_inference_tensor_parameters_and_refresh():
+    """Parameters that are inference tensors have no version counter: an in-place
+    change made inside inference mode is invisible until cpu_layout.refresh()."""
+    with torch.inference_mode():
+        model = conv_bn_net().float()  # .float() inside inference mode: inference tensors
+        assert model[0].weight.is_inference()
+        fn = torch.compile(model, backend="cpu_layout")
+        x = torch.randn(2, 3, 16, 16)
+        assert_matches(fn(x), model(x))
+        before = fn(x)
+        model[0].weight.mul_(-1.5)
+        model[5].running_mean.add_(1.0)
+        expected = model(x)
+        assert not torch.allclose(expected, before)
+        cpu_layout.refresh()
+        assert_matches(fn(x), expected)
+        # New storage (load_state_dict of new tensors, or reassignment) needs no refresh.
+        model[4].weight = nn.Parameter(torch.randn_like(model[4].weight), requires_grad=False)
+        assert_matches(fn(x), model(x))
+
+
+# ---- shapes and graphs real models produce ------------------------------------------
+
+def test_empty_batch_returns_empty_like_eager():
+    model = conv_bn_net()
+    fn = torch.compile(model, backend="cpu_layout", dynamic=False)
+    x = torch.randn(0, 3, 16, 16)
+    with torch.no_grad():
+        y, ref = fn(x), model(x)
+    assert y.shape == ref.shape == (0, 10)
+
+
+@pytest.mark.parametrize("stage", ["scale", "scores", "softmax", "attend"])
+def test_attention_split_views_at_storage_offsets(stage):
+    """q, k, v are selects of one buffer (k and v at a storage offset): views of
+    them inside a C++ segment keep their offset, and permuted element-wise
+    results come back with eager's strides."""
+
+    class Attention(nn.Module):
+        def forward(self, x):
+            qkv = x.view(1, 49, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            q = q * 0.35
+            if stage == "scale":
+                return q
+            a = q @ k.transpose(-2, -1)
+            if stage == "scores":
+                return a
+            a = a.softmax(-1)
+            return a if stage == "softmax" else a @ v
+
+    x = torch.randn(1, 49, 96)
+    with torch.no_grad():
+        assert_matches(torch.compile(Attention(), backend="cpu_layout")(x), Attention()(x))
+
+
+def test_graph_module_constants():
+    """torchvision's shifted-window attention reads a relative position index the
+    graph holds as a constant (FX get_attr)."""
+    from cpu_layout import zoo
+
+    if zoo.import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision.models.swin_transformer import ShiftedWindowAttention
+
+    torch.manual_seed(0)
+    m = ShiftedWindowAttention(32, [4, 4], [2, 2], 2).eval()
+    x = torch.randn(1, 8, 8, 32)
+    with torch.no_grad():
+        assert_matches(torch.compile(m, backend="cpu_layout")(x), m(x))
+
+
+def test_one_element_padding_and_infinite_clamp():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=(1,), stride=(2,)),
+                      nn.Hardtanh(min_val=0.0, max_val=float("inf")),
+                      nn.Conv2d(8, 8, 1), nn.Hardtanh(min_val=float("-inf"), max_val=0.5)).eval()
+    x = torch.randn(2, 3, 15, 15)
+    with torch.no_grad():
+        assert_matches(torch.compile(m, backend="cpu_layout")(x), m(x))
+
+
+def test_forward_that_masks_a_weight_through_data():
+    """`weight.data *= mask` in forward: the mutation is applied on every call, as in eager."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.register_buffer("mask", (torch.rand(4, 3, 3, 3, generator=torch.Generator().manual_seed(0)) > 0.5).float())
+
+        def forward(self, x):
+            self.conv.weight.data *= self.mask
+            return self.conv(x)
+
+    torch.manual_seed(0)
+    eager, compiled_model = Masked(), Masked()
+    compiled_model.load_state_dict(eager.state_dict())
+    fn = torch.compile(compiled_model, backend="cpu_layout")
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_matches(fn(x), eager(x))
+            torch.testing.assert_close(compiled_model.conv.weight, eager.conv.weight)
+        compiled_model.conv.weight.add_(1.0)   # a later change is masked again on the next call
+        eager.conv.weight.add_(1.0)
+        assert_matches(fn(x), eager(x))
+        torch.testing.assert_close(compiled_model.conv.weight, eager.conv.weight)
