@@ -233,3 +233,19 @@ def test_conv3d(fmt):
     y = ops.conv3d(x, wt, None, stride=(1, 2, 1), padding=1)
     assert y.stride() == ref.stride()
     assert_fp32_close(y, ref)
+
+
+@pytest.mark.parametrize("cin", [16, 24, 48, 80, 112])
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("out_layout", ["nchw", "nhwc"])
+def test_bf16_non_overlapping_kernels(cin, k, out_layout):
+    """stride == kernel (ConvNeXt's downsampling and stems): oneDNN 3.2's AMX bf16
+    kernel for these shapes is wrong; the extension must pick another."""
+    g = torch.Generator().manual_seed(cin * k)
+    x = torch.randn(2, cin, 16, 16, generator=g).bfloat16()
+    w = (torch.randn(64, cin, k, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(64, generator=g).bfloat16()
+    y = ops.conv2d(x, w, b, stride=k, out_layout=out_layout)
+    ref = F.conv2d(x.float(), w.float(), b.float(), stride=k)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3 * scale + 2 ** -8 * scale)
