@@ -19,13 +19,19 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.
     pip_q torch==2.13.0
 fi
 
+# Test and benchmark dependencies: real model suites (torchvision pinned to the
+# release built for torch 2.13, so it cannot pull another torch; timm imports
+# it), hypothesis for the property tests, matplotlib for the runner's --plot.
+EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm)
 STAMP="$VENV/.cpu_layout-build-stamp"
-HASH="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* | sha256sum | cut -d' ' -f1)"
+HASH="$( (cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/*; echo "${EXTRAS[*]}") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \
    ! "$PY" -c "import cpu_layout.ops" 2>/dev/null; then
     echo "[env] installing build and test dependencies"
-    pip_q "setuptools>=64" wheel "cffi>=1.15" numpy pytest \
+    pip_q "setuptools>=64" wheel "cffi>=1.15" numpy "${EXTRAS[@]}" \
         onednn-cpu-gomp==2023.2.0 onednn-devel-cpu-gomp==2023.2.0
+    "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" || {
+        echo "[env] a dependency replaced torch 2.13.0 (CPU); refusing to go on" >&2; exit 1; }
     echo "[env] building cpu_layout"
     # The build requirements are installed above, so skip pip's isolated
     # build environment (saves a download and works offline once set up).

@@ -342,31 +342,26 @@ def load_suite_models(suite: str, model: str):
 
         names = list(models.MODELS) if model == "all" else [model]
         return [(n, (lambda bs, n=n: models.build(n, batch_size=bs))) for n in names]
-    import torch
+    from cpu_layout import zoo
 
     if suite == "torchvision":  # only reached when torchvision is installed
-        import torchvision
+        tv = zoo.import_torchvision()
+        names = tv.models.list_models(module=tv.models) if model == "all" else [model]
 
-        names = (torchvision.models.list_models(module=torchvision.models) if model == "all"
-                 else [model])
+        def tv_build(bs, n):
+            size = 299 if n == "inception_v3" else 224
+            return zoo.build("torchvision", n), zoo.example_input((bs or 8, 3, size, size))
 
-        def tv(bs, n):
-            torch.manual_seed(0)
-            m = torchvision.models.get_model(n, weights=None).eval()
-            return m, torch.randn(bs or 8, 3, 224, 224, generator=torch.Generator().manual_seed(1))
-
-        return [(n, (lambda bs, n=n: tv(bs, n))) for n in names]
-    import timm  # suite == "timm_models", only reached when timm is installed
-
+        return [(n, (lambda bs, n=n: tv_build(bs, n))) for n in names]
+    timm = zoo.import_timm()  # suite == "timm_models", only reached when timm is installed
     names = timm.list_models() if model == "all" else [model]
 
-    def tm(bs, n):
-        torch.manual_seed(0)
-        m = timm.create_model(n, pretrained=False).eval()
+    def timm_build(bs, n):
+        m = zoo.build("timm", n)
         shape = m.default_cfg.get("input_size", (3, 224, 224))
-        return m, torch.randn((bs or 8,) + tuple(shape), generator=torch.Generator().manual_seed(1))
+        return m, zoo.example_input((bs or 8,) + tuple(shape))
 
-    return [(n, (lambda bs, n=n: tm(bs, n))) for n in names]
+    return [(n, (lambda bs, n=n: timm_build(bs, n))) for n in names]
 
 
 def worker_main(args) -> int:
