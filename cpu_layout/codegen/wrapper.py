@@ -7,6 +7,7 @@ peak memory follows the schedule rather than the graph.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, List
 
@@ -89,10 +90,13 @@ def _canonical_eager_order(b: ir.Buffer):
     for order in (L.CONTIGUOUS, L.CHANNELS_LAST) if b.rank in (4, 5) else (L.CONTIGUOUS,):
         if L.same_sizes(L.strides_for_order(b.size, order), b.eager_stride):
             return order
-    perm = L.stride_order(b.size, b.eager_stride)
-    if L.same_sizes(L.strides_for_order(b.size, perm), b.eager_stride):
-        return perm
-    return None
+    # Size-1 dims make several permutations equivalent in memory but not in
+    # strides: the canonical one first, then any whose formula gives eager's.
+    perms = [L.stride_order(b.size, b.eager_stride)]
+    if b.rank <= 5:
+        perms += itertools.permutations(range(b.rank))
+    return next((tuple(p) for p in perms
+                 if L.same_sizes(L.strides_for_order(b.size, p), b.eager_stride)), None)
 
 
 def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
