@@ -32,3 +32,11 @@ def compiled_graphs(monkeypatch):
 
     monkeypatch.setattr(backend, "compile_graph", spy)
     return made
+
+
+@pytest.fixture(params=["default", "cpp"])
+def wrapper(request, monkeypatch):
+    """Runs a test under both wrappers (CPU_LAYOUT_CPP_WRAPPER selects); modules
+    that want it for every test list it in `pytestmark`."""
+    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
+    return request.param

@@ -17,14 +17,7 @@ import torch.nn.functional as F
 import cpu_layout.backend as backend
 from cpu_layout import ir, models
 
-pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
-
-
-@pytest.fixture(autouse=True, params=["default", "cpp"])
-def wrapper(request, monkeypatch):
-    """Every test here runs under both wrappers (CPU_LAYOUT_CPP_WRAPPER selects)."""
-    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
-    return request.param
+pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile", "wrapper")
 
 
 def run_both(model, x, amp=False, dynamic=False, **opts):

@@ -507,12 +507,6 @@ def nets(draw):
     return Case(src, desc, shapes)
 
 
-@pytest.fixture(params=["default", "cpp"])
-def wrapper(request, monkeypatch):
-    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
-    return request.param
-
-
 def _check(y, ref):
     assert type(y) is type(ref)
     ys, refs = (y, ref) if isinstance(ref, tuple) else ((y,), (ref,))

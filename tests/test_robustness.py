@@ -14,13 +14,7 @@ import torch.nn as nn
 import cpu_layout
 from cpu_layout import models
 
-pytestmark = pytest.mark.usefixtures("strict_compile")
-
-
-@pytest.fixture(autouse=True, params=["default", "cpp"])
-def wrapper(request, monkeypatch):
-    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
-    return request.param
+pytestmark = pytest.mark.usefixtures("strict_compile", "wrapper")
 
 
 def assert_matches(y, ref, amp=False):

@@ -30,14 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-pytestmark = pytest.mark.usefixtures("strict_compile")
+from ported_support import compile_, assert_same  # noqa: E402
 
-
-@pytest.fixture(autouse=True, params=["default", "cpp"])
-def wrapper(request, monkeypatch):
-    """Every test here runs under both wrappers (CPU_LAYOUT_CPP_WRAPPER selects)."""
-    monkeypatch.setenv("CPU_LAYOUT_CPP_WRAPPER", "1" if request.param == "cpp" else "0")
-    return request.param
+pytestmark = pytest.mark.usefixtures("strict_compile", "wrapper")
 
 
 @pytest.fixture(scope="module")
@@ -52,28 +47,6 @@ def process_group(tmp_path_factory):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def compile_(fn, **kwargs):
-    return torch.compile(fn, backend="cpu_layout", options={"debug": True}, **kwargs)
-
-
-def assert_same(y, ref, amp=False):
-    """Values, sizes, dtype and strides of `y` are eager's (`ref`), recursively."""
-    if isinstance(ref, (tuple, list)):
-        assert isinstance(y, (tuple, list)) and len(y) == len(ref), (type(y), type(ref))
-        for a, b in zip(y, ref):
-            assert_same(a, b, amp)
-        return
-    assert type(y) is type(ref), f"{type(y)} is not eager's {type(ref)}"
-    assert y.shape == ref.shape
-    assert y.dtype == ref.dtype
-    assert y.stride() == ref.stride(), f"strides {y.stride()} != eager's {ref.stride()}"
-    scale = (ref.float().abs().max().item() if ref.numel() else 1.0) or 1.0
-    if amp or ref.dtype in (torch.bfloat16, torch.float16):
-        torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2 * scale)
-    else:
-        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * scale)
 
 
 class Model2Conv(nn.Module):
