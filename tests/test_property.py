@@ -39,8 +39,9 @@ strides (exactly eager's) and values (fp32: rtol 1e-4, atol 1e-4 * max|ref|)
 under both wrappers (default and C++).
 
 The example count per wrapper is CPU_LAYOUT_PROPERTY_EXAMPLES (default
-DEFAULT_EXAMPLES, which keeps the file at roughly a minute on two cores);
-raise it for a deeper run, e.g.
+DEFAULT_EXAMPLES = 50: about 75 s for both wrappers on two busy cores with
+an empty CPU_LAYOUT_CACHE_DIR, 15 s with a warm one; a failure adds minutes of
+shrinking); raise it for a deeper run, e.g.
 
     CPU_LAYOUT_PROPERTY_EXAMPLES=300 .venv/bin/python -m pytest -p no:cacheprovider tests/test_property.py
 
