@@ -63,6 +63,9 @@ class Node:
     inputs: List[Buffer]
     out: Optional[Buffer]
     rule: str = EAGER
+    # Writes into an input (copy_/set_ of a graph input the forward mutated):
+    # runs every call, in graph order, even though nothing reads its result.
+    effects: bool = False
 
     def tensor_inputs(self) -> List[Buffer]:
         return [b for b in self.inputs if b.is_tensor]
@@ -152,9 +155,6 @@ class Aten(Node):
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     multi: bool = False  # returns a tuple; Getitem nodes pick from it
-    # Writes into an input (copy_/set_ of a graph input the forward mutated):
-    # runs every call, in graph order, even though nothing reads its result.
-    effects: bool = False
 
 
 @dataclass(eq=False)
@@ -216,9 +216,7 @@ class Graph:
         for n in reversed(list(self.nodes)):
             if isinstance(n, (Input, Output)):
                 continue
-            if getattr(n, "effects", False):
-                pass
-            elif n.out is None or (n.out not in live and not n.out.users):
+            if not n.effects and (n.out is None or (n.out not in live and not n.out.users)):
                 self.remove(n)
                 continue
             live.update(n.inputs)

@@ -391,7 +391,7 @@ class Lowering:
                     # A cast or view of module state is module state too.
                     tensors = [b for b in node.inputs if b.is_tensor]
                     r.constant = (bool(tensors) and all(b.constant for b in tensors)
-                                  and not isinstance(node, ir.Conv) and not getattr(node, "effects", False))
+                                  and not isinstance(node, ir.Conv) and not node.effects)
                     if isinstance(node, ir.Aten) and node.target in CONSTANT_FACTORIES and not node.inputs:
                         r.constant = r.is_tensor
             elif n.op == "get_attr":

@@ -253,11 +253,13 @@ class PlainConvNet(nn.Module):
         return x
 
 
-def _init(model: nn.Module, seed: int) -> nn.Module:
+def randomize_batch_norm(model: nn.Module, seed: int) -> nn.Module:
+    """Non-trivial batch-norm statistics and affine parameters (fresh ones are
+    identities, which would hide folding bugs); the model in eval mode."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, (nn.BatchNorm2d,)):
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
                 m.running_mean.copy_(torch.rand(m.running_mean.shape, generator=g) - 0.5)
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
                 if m.affine:
@@ -293,7 +295,7 @@ def build(name: str, batch_size: int = 0, seed: int = 0):
         raise KeyError(f"unknown model {name!r}; built-in: {', '.join(known)}")
     ctor, shape = known[name]
     torch.manual_seed(seed)
-    model = _init(ctor(), seed)
+    model = randomize_batch_norm(ctor(), seed)
     if batch_size > 0:
         shape = (batch_size,) + tuple(shape[1:])
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1))

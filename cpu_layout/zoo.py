@@ -1,11 +1,12 @@
 """Third-party model suites (torchvision, timm) for tests and benchmarks.
 
 Never imported by the backend itself. Weights are random (nothing downloads);
-batch-norm statistics are made non-trivial so folding is exercised.
+batch-norm statistics are made non-trivial (models.randomize_batch_norm) so
+folding is exercised.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -56,32 +57,6 @@ def import_timm():
         return None
 
 
-def _randomise_bn_stats(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-    return model
-
-
-def torchvision_model(name: str, **kwargs) -> torch.nn.Module:
-    tv = import_torchvision()
-    if tv is None:
-        raise ImportError("torchvision is not installed")
-    torch.manual_seed(0)
-    return _randomise_bn_stats(tv.models.get_model(name, weights=None, **kwargs).eval(), 0)
-
-
-def timm_model(name: str, **kwargs) -> torch.nn.Module:
-    timm = import_timm()
-    if timm is None:
-        raise ImportError("timm is not installed")
-    torch.manual_seed(0)
-    return _randomise_bn_stats(timm.create_model(name, pretrained=False, **kwargs).eval(), 0)
-
-
 def example_input(shape: Tuple[int, ...], seed: int = 1) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
@@ -109,20 +84,71 @@ CI_TIER = (
 )
 
 
-def build(suite: str, name: str):
-    """The model in eval mode (random weights)."""
+def build(suite: str, name: str) -> torch.nn.Module:
+    """The model in eval mode: random weights, non-trivial batch-norm statistics."""
+    from cpu_layout.models import randomize_batch_norm
+
+    torch.manual_seed(0)
     if suite == "torchvision":
-        kwargs = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
-        if name.startswith(("deeplabv3", "fcn", "lraspp")):
+        tv = import_torchvision()
+        if tv is None:
+            raise ImportError("torchvision is not installed")
+        kwargs = {}
+        if name in ("googlenet", "inception_v3"):
+            kwargs = {"aux_logits": False, "init_weights": True}
+        elif name.startswith(("deeplabv3", "fcn", "lraspp")):
             kwargs = {"weights_backbone": None}
-        return torchvision_model(name, **kwargs)
+        model = tv.models.get_model(name, weights=None, **kwargs)
+    elif suite == "timm":
+        timm = import_timm()
+        if timm is None:
+            raise ImportError("timm is not installed")
+        model = timm.create_model(name, pretrained=False)
+    else:
+        raise ValueError(f"unknown suite {suite!r}")
+    return randomize_batch_norm(model, 0)
+
+
+def default_input_shape(suite: str, name: str, model: torch.nn.Module) -> Tuple[int, ...]:
+    """A model's usual input size without the batch dim: timm's own config; for
+    torchvision 224 px (inception 299), video clips of 8 frames at 112 px (16 at
+    224 px for MViT, S3D and Swin3D)."""
     if suite == "timm":
-        return timm_model(name)
-    raise ValueError(f"unknown suite {suite!r}")
+        return tuple(model.default_cfg.get("input_size", (3, 224, 224)))
+    if name == "inception_v3":
+        return (3, 299, 299)
+    if type(model).__module__.startswith("torchvision.models.video."):
+        big = name.startswith(("mvit", "s3d", "swin3d"))
+        return (3, 16, 224, 224) if big else (3, 8, 112, 112)
+    return (3, 224, 224)
 
 
-def first_tensor(out):
-    """A model's main output: segmentation models return {'out': ...}."""
-    if isinstance(out, dict):
-        return out["out"]
-    return out
+def compare_with_eager(model: torch.nn.Module, shape: Tuple[int, ...], dtype: str = "float32",
+                       shapes: str = "static", wrapper: str = "default",
+                       grad_mode: str = "inference_mode", batch: int = 2) -> List[str]:
+    """Compile `model` with cpu_layout (`shapes`: static, dynamic = dynamic=True,
+    mark_dynamic = the batch dim marked) and run it next to eager at `batch`, and
+    at batch + 1 unless static. Returns what differs, one line each (empty: nothing):
+    output sizes, dtypes and strides must be eager's exactly, values must pass
+    PyTorch's benchmark check against an fp64 reference (benchmark.TOLERANCE)."""
+    from cpu_layout import benchmark as B
+
+    fn = torch.compile(model, backend="cpu_layout", dynamic=True if shapes == "dynamic" else None,
+                       options={"cpp_wrapper": wrapper == "cpp"})
+    problems = []
+    for bs in (batch,) if shapes == "static" else (batch, batch + 1):
+        x = example_input((bs,) + tuple(shape), seed=bs)
+        if shapes == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 0)
+        mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+        with mode, B._autocast(dtype):
+            ref = model(x)
+            out = fn(x)
+        got = [(tuple(t.shape), t.stride(), t.dtype) for t in B._flatten(out)]
+        want = [(tuple(t.shape), t.stride(), t.dtype) for t in B._flatten(ref)]
+        if got != want:
+            problems.append(f"batch {bs}: (size, stride, dtype) {got} where eager has {want}")
+        fp64 = B.fp64_reference(model, x)
+        if not B.values_match(ref, out, fp64, dtype):
+            problems.append(f"batch {bs}: values: " + B.describe_error(ref, out, fp64, dtype))
+    return problems

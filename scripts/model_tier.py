@@ -4,9 +4,9 @@
     .venv/bin/python scripts/model_tier.py --tier full           # every torchvision model + a timm list
     .venv/bin/python scripts/model_tier.py --tier full --dtype amp --wrapper cpp --grad-mode no_grad
 
-Each model: eager vs compiled (strict: a whole-graph fallback counts as a failure)
-at two batch sizes, values by PyTorch's benchmark check against an fp64 reference,
-output sizes and strides equal to eager's. One row per model, counts at the end.
+Each model: zoo.compare_with_eager (strict: a whole-graph fallback counts as a
+failure): values by PyTorch's benchmark check against an fp64 reference, output
+sizes, dtypes and strides equal to eager's, a second batch size unless static. One row per model, counts at the end.
 Exit status 0 whatever the rows say (a report, not a test); 2 for bad arguments.
 """
 from __future__ import annotations
@@ -31,47 +31,14 @@ TIMM_FULL = (
 def full_tier(zoo):
     """(suite, name, input size without batch) for every model of the full tier."""
     tv = zoo.import_torchvision()
-    rows = []
+    names = []
     if tv is not None:
-        for name in tv.models.list_models(module=tv.models):
-            size = 299 if name == "inception_v3" else 224
-            if name.startswith("vit_h") or name.startswith("regnet_y_128"):
-                continue  # over a GB of random weights: not a CPU-tier model
-            rows.append(("torchvision", name, (3, size, size)))
-        for name in tv.models.list_models(module=tv.models.segmentation):
-            rows.append(("torchvision", name, (3, 224, 224)))
-        for name in tv.models.list_models(module=tv.models.video):
-            frames = 16 if name.startswith(("mvit", "s3d")) else 8
-            rows.append(("torchvision", name, (3, frames, 112, 112) if not name.startswith(("mvit", "swin3d", "s3d"))
-                         else (3, frames, 224, 224)))
+        for module in (tv.models, tv.models.segmentation, tv.models.video):
+            names += [("torchvision", n) for n in tv.models.list_models(module=module)
+                      if not n.startswith(("vit_h", "regnet_y_128"))]  # over a GB of weights each
     if zoo.import_timm() is not None:
-        import timm
-
-        for name in TIMM_FULL:
-            m = timm.create_model(name, pretrained=False)
-            rows.append(("timm", name, tuple(m.default_cfg.get("input_size", (3, 224, 224)))))
-    return rows
-
-
-def run_one(zoo, B, torch, suite, name, shape, args):
-    model = zoo.build(suite, name)
-    fn = torch.compile(model, backend="cpu_layout", dynamic=True if args.shape == "dynamic" else None,
-                       options={"cpp_wrapper": args.wrapper == "cpp"})
-    problems = []
-    for bs in (args.batch, args.batch + 1) if args.shape != "static" else (args.batch,):
-        x = zoo.example_input((bs,) + tuple(shape), seed=bs)
-        if args.shape == "mark_dynamic":
-            torch._dynamo.mark_dynamic(x, 0)
-        mode = torch.inference_mode() if args.grad_mode == "inference_mode" else torch.no_grad()
-        with mode, B._autocast(args.dtype):
-            ref = model(x)
-            out = fn(x)
-        if not B.strides_match(ref, out):
-            problems.append("strides: " + B.stride_report(ref, out))
-        fp64 = B.fp64_reference(model, x)
-        if not B.values_match(ref, out, fp64, args.dtype):
-            problems.append("values: " + B.describe_error(ref, out, fp64, args.dtype))
-    return problems
+        names += [("timm", n) for n in TIMM_FULL]
+    return [(s, n, None) for s, n in names]  # sizes from the model: zoo.default_input_shape
 
 
 def main(argv=None) -> int:
@@ -81,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--wrapper", choices=("default", "cpp"), default="default")
     p.add_argument("--grad-mode", choices=("inference_mode", "no_grad"), default="inference_mode")
     p.add_argument("--shape", choices=("static", "dynamic", "mark_dynamic"), default="static")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2,
+                   help="first batch size (the second is one more; Dynamo specialises a batch of 1)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--only", default="", help="comma-separated model names")
     args = p.parse_args(argv)
@@ -109,7 +77,10 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         t0 = time.perf_counter()
         try:
-            problems = run_one(zoo, B, torch, suite, name, shape, args)
+            model = zoo.build(suite, name)
+            shape = shape or zoo.default_input_shape(suite, name, model)
+            problems = zoo.compare_with_eager(model, shape, args.dtype, args.shape, args.wrapper,
+                                              args.grad_mode, args.batch)
             result, detail = ("pass", "") if not problems else ("wrong", "; ".join(problems))
         except Exception as exc:  # noqa: BLE001 - a report row, whatever went wrong
             result = "error"

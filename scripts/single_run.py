@@ -347,21 +347,15 @@ def load_suite_models(suite: str, model: str):
     if suite == "torchvision":  # only reached when torchvision is installed
         tv = zoo.import_torchvision()
         names = tv.models.list_models(module=tv.models) if model == "all" else [model]
+    else:  # timm_models, only reached when timm is installed
+        names = zoo.import_timm().list_models() if model == "all" else [model]
+    pkg = "torchvision" if suite == "torchvision" else "timm"
 
-        def tv_build(bs, n):
-            size = 299 if n == "inception_v3" else 224
-            return zoo.build("torchvision", n), zoo.example_input((bs or 8, 3, size, size))
+    def build(bs, n):
+        m = zoo.build(pkg, n)
+        return m, zoo.example_input((bs or 8,) + zoo.default_input_shape(pkg, n, m))
 
-        return [(n, (lambda bs, n=n: tv_build(bs, n))) for n in names]
-    timm = zoo.import_timm()  # suite == "timm_models", only reached when timm is installed
-    names = timm.list_models() if model == "all" else [model]
-
-    def timm_build(bs, n):
-        m = zoo.build("timm", n)
-        shape = m.default_cfg.get("input_size", (3, 224, 224))
-        return m, zoo.example_input((bs or 8,) + tuple(shape))
-
-    return [(n, (lambda bs, n=n: timm_build(bs, n))) for n in names]
+    return [(n, (lambda bs, n=n: build(bs, n))) for n in names]
 
 
 def worker_main(args) -> int:

@@ -281,8 +281,8 @@ class _SegmentEmitter:
             e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
             res_names.append(f"clw::addr(res{j})")
         e(f"  const uintptr_t res[] = {{{', '.join(res_names) or '0'}}};")
-        # An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
         bias = f"(uintptr_t)consts[{3 * bi}]" if bi is not None else "0"
+        # An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
         e(f"  if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts[{3 * wi}], "
           f"(unsigned long long)consts[{3 * wi + 1}], consts[{3 * wi + 2}], {bias}, clw::addr(tmp_out), "
           f"{'res' if residuals else 'nullptr'}))")

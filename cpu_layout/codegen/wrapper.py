@@ -91,10 +91,9 @@ def _canonical_eager_order(b: ir.Buffer):
         if L.same_sizes(L.strides_for_order(b.size, order), b.eager_stride):
             return order
     # Size-1 dims make several permutations equivalent in memory but not in
-    # strides: the canonical one first, then any whose formula gives eager's.
-    perms = [L.stride_order(b.size, b.eager_stride)]
-    if b.rank <= 5:
-        perms += itertools.permutations(range(b.rank))
+    # strides: any whose formula gives eager's exactly.
+    perms = (itertools.permutations(range(b.rank)) if b.rank <= 5
+             else [L.stride_order(b.size, b.eager_stride)])
     return next((tuple(p) for p in perms
                  if L.same_sizes(L.strides_for_order(b.size, p), b.eager_stride)), None)
 
