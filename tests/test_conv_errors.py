@@ -24,7 +24,6 @@ B = torch.randn(16)
         (lambda: ops.conv2d(X[0, 0], W), ValueError, "expects a 3-d"),
         (lambda: ops.conv2d(X.unsqueeze(0), W), ValueError, "expects a 3-d"),
         (lambda: ops.conv2d(X, W[0]), ValueError, "4-d weight"),
-        (lambda: ops.conv2d(torch.randn(0, 8, 9, 9), W), ValueError, "empty"),
         (lambda: ops.conv2d(torch.randn(2, 8, 0, 9), W), ValueError, "empty"),
         (lambda: ops.conv2d(X, W, padding=-1), ValueError, "non-negative"),
         (lambda: ops.conv2d(X, W, padding=(1, -2)), ValueError, "non-negative"),
@@ -109,3 +108,14 @@ def test_c_abi_null_pointers_and_missing_residual():
     a.post_ops[0].kind = 99
     assert lib.cl_conv_forward(a, x.data_ptr(), w.data_ptr(), 1, 0, 0, y.data_ptr(), ffi.NULL) != 0
     assert "unknown post-op" in ffi.string(lib.cl_last_error()).decode()
+
+
+@pytest.mark.parametrize("out_layout", [None, "nchw", "nhwc"])
+def test_empty_batch_is_not_an_error(out_layout):
+    """Eager returns an empty result for a batch of 0 (only other empty dims are errors)."""
+    x = torch.randn(0, 8, 9, 9)
+    y = ops.conv2d(x, W, B, padding=1, out_layout=out_layout)
+    ref = torch.nn.functional.conv2d(x, W, B, padding=1)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    if out_layout is None:
+        assert y.stride() == ref.stride()
