@@ -35,6 +35,8 @@ def to_order(x: torch.Tensor, order) -> torch.Tensor:
         return out.copy_(x)
     if order not in L.LABELS:
         return x
+    if order == L.CHANNELS_LAST and x.dim() not in (4, 5):
+        return to_order(x, L.order_of(order, x.dim()))  # e.g. NWC: the label's own permutation
     return ops.to_dense(x, _planned_cl(order, x.dim()))
 
 

@@ -108,24 +108,36 @@ static inline int32_t dtype_code(int es) {
   return es == 2 ? aoti_torch_dtype_bfloat16() : es == 8 ? aoti_torch_dtype_int64() : aoti_torch_dtype_float32();
 }
 
-// Dense strides in torch's formula: contiguous, or channels-last (dim 1 innermost) when cl.
-static inline void dense_strides(int nd, const int64_t* sz, bool cl, int64_t* st) {
-  int perm[16];
-  for (int i = 0; i < nd; ++i) perm[i] = i;
-  if (cl && nd >= 3) { perm[nd - 1] = 1; for (int i = 1; i < nd - 1; ++i) perm[i] = i + 1; }
+// Dense strides for a stride order `perm` (outermost dim first; layout.strides_for_order).
+static inline void perm_strides(int nd, const int64_t* sz, const int* perm, int64_t* st) {
   int64_t acc = 1;
   for (int i = nd - 1; i >= 0; --i) { st[perm[i]] = acc; acc *= sz[perm[i]]; }
 }
+static inline void named_perm(int nd, bool cl, int* perm) {
+  for (int i = 0; i < nd; ++i) perm[i] = i;
+  if (cl && nd >= 3) { perm[nd - 1] = 1; for (int i = 1; i < nd - 1; ++i) perm[i] = i + 1; }
+}
+// Dense strides in torch's formula: contiguous, or channels-last (dim 1 innermost) when cl.
+static inline void dense_strides(int nd, const int64_t* sz, bool cl, int64_t* st) {
+  int perm[16];
+  named_perm(nd, cl, perm);
+  perm_strides(nd, sz, perm, st);
+}
 
 // The one order check: dense in that order, size-1 dims ignored (layout.is_in_order).
-static inline bool dense_in(int nd, const int64_t* sz, const int64_t* st, bool cl) {
+static inline bool dense_in_perm(int nd, const int64_t* sz, const int64_t* st, const int* perm) {
   int64_t want[16];
-  dense_strides(nd, sz, cl, want);
+  perm_strides(nd, sz, perm, want);
   for (int i = 0; i < nd; ++i) {
     if (sz[i] == 0) return true;
     if (sz[i] != 1 && st[i] != want[i]) return false;
   }
   return true;
+}
+static inline bool dense_in(int nd, const int64_t* sz, const int64_t* st, bool cl) {
+  int perm[16];
+  named_perm(nd, cl, perm);
+  return dense_in_perm(nd, sz, st, perm);
 }
 static inline bool dense_in(const H& t, bool cl) { return dense_in((int)dim(t), sizes(t), strides(t), cl); }
 
@@ -203,6 +215,16 @@ static inline H copy_in_order(const H& t, bool cl) {
 static inline const H& ordered(const H& t, bool cl, H& tmp) {
   if (dense_in(t, cl)) return t;
   tmp = copy_in_order(t, cl);
+  return tmp;
+}
+// The same for an explicit stride order (eager's own permutation of the dims).
+static inline const H& ordered_perm(const H& t, const int* perm, H& tmp) {
+  const int nd = (int)dim(t);
+  if (dense_in_perm(nd, sizes(t), strides(t), perm)) return t;
+  int64_t st[16];
+  perm_strides(nd, sizes(t), perm, st);
+  tmp = empty(nd, sizes(t), st, elsize(t));
+  shim(aoti_torch_copy_(tmp.get(), t.get(), 0), "copy_");
   return tmp;
 }
 

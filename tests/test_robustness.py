@@ -183,3 +183,19 @@ def test_forward_that_masks_a_weight_through_data():
         eager.conv.weight.add_(1.0)
         assert_matches(fn(x), eager(x))
         torch.testing.assert_close(compiled_model.conv.weight, eager.conv.weight)
+
+
+@pytest.mark.parametrize("case", ["permute_back", "transpose_back_contiguous", "view_3d", "permute_3d"])
+def test_ops_reading_permuted_elementwise_results_see_eager_strides(case):
+    """An element-wise result of a permuted view is, in eager, in that permutation:
+    a layout-sensitive op after it (permute, view) must see it so, or its output
+    strides differ from eager's (found by the property test)."""
+    fn, x = {
+        "permute_back": (lambda t: (t.permute(0, 2, 3, 1) * 2).permute(0, 3, 1, 2), torch.randn(2, 3, 6, 6)),
+        "transpose_back_contiguous": (lambda t: torch.relu(t.transpose(1, 2)).transpose(1, 2).contiguous(),
+                                      torch.randn(2, 3, 6, 6)),
+        "view_3d": (lambda t: torch.relu(t).view(2, 7, 15), torch.randn(2, 15, 7).permute(0, 2, 1)),
+        "permute_3d": (lambda t: torch.relu(t).permute(0, 2, 1), torch.randn(2, 2, 5).permute(0, 2, 1)[:, 2:4]),
+    }[case]
+    with torch.no_grad():
+        assert_matches(torch.compile(fn, backend="cpu_layout", options={"debug": True})(x), fn(x))

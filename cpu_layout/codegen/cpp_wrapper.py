@@ -232,7 +232,11 @@ class _SegmentEmitter:
         if order is None:
             return self.v(b)
         tmp = f"r_{tag}"
-        self.emit(f"  clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
+        if isinstance(order, tuple):  # eager's own permutation of the dims
+            self.emit(f"  const int {tmp}_p[] = {{{', '.join(map(str, order))}}};")
+            self.emit(f"  clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c);")
+        else:
+            self.emit(f"  clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
         return tmp
 
     # each returns the C++ statements (inside braces) for one node

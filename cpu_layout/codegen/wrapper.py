@@ -62,8 +62,7 @@ def _required(node: ir.Node, b: ir.Buffer):
     if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem, ir.Kernel, ir.Reduction, ir.Segment)):
         return None  # convs and kernels read any strides (segments convert inside); getitem only picks
     if isinstance(node, ir.Output) or node.rule == ir.EAGER:
-        order = b.eager_order()
-        return None if order == ir.EAGER else order
+        return _eager_input_order(b)
     out = node.out
     if out is None or out.layout not in L.LABELS:
         return None
@@ -71,6 +70,20 @@ def _required(node: ir.Node, b: ir.Buffer):
         # ATen's output follows full-size inputs; broadcast operands don't matter.
         return out.layout if b.size == out.size else None
     return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
+
+
+def _eager_input_order(b: ir.Buffer):
+    """The order eager had `b` in, for an op that must see it as eager did: a
+    named order, else eager's own permutation of the dims (an element-wise
+    result of a permuted view), or None when `b` is eager's already or its
+    eager strides are in no order (expanded, overlapping)."""
+    order = b.eager_order()
+    if order != ir.EAGER:
+        return order
+    if b.layout == ir.EAGER or b.layout is None:
+        return None
+    perm = L.stride_order(b.size, b.eager_stride)
+    return perm if L.is_in_order(b.size, b.eager_stride, perm) else None
 
 
 def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
