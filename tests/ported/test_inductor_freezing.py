@@ -36,6 +36,7 @@ import pytest
 import torch
 from torch import nn
 
+from cpu_layout.models import randomize_batch_norm  # noqa: E402
 from ported_support import compile_, clone, assert_same  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_compile", "wrapper")
@@ -54,17 +55,6 @@ def check(fn, args, inference_mode=True):
         with torch.inference_mode():
             assert_same(compile_(fn)(*clone(args)), fn(*clone(args)))
     return opt
-
-
-def randomize_bn(bn):
-    """Non-trivial running statistics and affine parameters, so folding matters."""
-    with torch.no_grad():
-        bn.running_mean.uniform_(-1, 1)
-        bn.running_var.uniform_(0.5, 2)
-        if bn.weight is not None:
-            bn.weight.uniform_(0.5, 1.5)
-            bn.bias.uniform_(-1, 1)
-    return bn
 
 
 class ConvBN(nn.Module):
@@ -202,7 +192,7 @@ def test_conv_multiple_uses():
             return self.conv1(x) + self.bn1(self.conv1(y))
 
     model = ToyModel().eval()
-    randomize_bn(model.bn1)
+    randomize_batch_norm(model.bn1, 0)
     a = torch.rand(4, 1, 16, 16)
     b = torch.rand(4, 1, 16, 16)
     check(model, (a, b))
@@ -212,7 +202,7 @@ def test_unfolded_bn():
     # Upstream also calls once outside no_grad: a training graph, which this
     # backend does not compile (it refuses, strictly, under CPU_LAYOUT_STRICT).
     x = torch.rand([3, 32, 15, 15])
-    mod = randomize_bn(nn.BatchNorm2d(32, eps=0.001).eval())
+    mod = randomize_batch_norm(nn.BatchNorm2d(32, eps=0.001), 0)
 
     def foo(mod, x):
         return mod(x) + 10
@@ -224,7 +214,7 @@ def test_unfolded_bn():
 @pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "no_bias"])
 def test_folded_conv_bn(use_bias, dtype):
     mod = ConvBN(3, 32, bias=use_bias, kernel_size=3, stride=2).eval()
-    randomize_bn(mod.bn)
+    randomize_batch_norm(mod.bn, 0)
     mod = mod.to(dtype)
     x = torch.rand(2, 3, 16, 16).to(dtype)
 
@@ -264,7 +254,7 @@ def test_folded_conv_bn_built_under_inference_mode():
     # made under inference_mode (inference tensors keep no version counter).
     with torch.inference_mode():
         mod = ConvBN(3, 16, bias=True, kernel_size=3, stride=2).eval()
-        randomize_bn(mod.bn)
+        randomize_batch_norm(mod.bn, 0)
         x = torch.rand(2, 3, 16, 16)
         assert_same(compile_(mod)(x), mod(x))
         assert_same(compile_(mod)(x), mod(x))
@@ -353,7 +343,7 @@ def test_cpp_wrapper():
     # Upstream compiles with options={"cpp_wrapper": True}; here both wrappers
     # run every test, and this one passes the option explicitly too.
     mod = ConvBN(3, 32, kernel_size=3, stride=2).eval()
-    randomize_bn(mod.bn)
+    randomize_batch_norm(mod.bn, 0)
     x = torch.rand(2, 3, 16, 16)
 
     def foo(mod, x):
@@ -379,7 +369,7 @@ def test_conv_layout_convert_with_view():
             return torch.flatten(x, 1)
 
     mod = Model().eval()
-    randomize_bn(mod.bn)
+    randomize_batch_norm(mod.bn, 0)
 
     def foo(mod, inp):
         return mod(inp)
@@ -435,7 +425,7 @@ def test_param_update_between_calls_is_seen(what):
     """Freezing would bake these in; the backend must refold the BN and repack
     the weights when a parameter or buffer changes."""
     mod = ConvBN(3, 16, bias=True, kernel_size=3, stride=2).eval()
-    randomize_bn(mod.bn)
+    randomize_batch_norm(mod.bn, 0)
     x = torch.rand(2, 3, 16, 16)
     opt = compile_(mod)
     with torch.no_grad():
@@ -445,7 +435,7 @@ def test_param_update_between_calls_is_seen(what):
         elif what == "bn_running_var":
             mod.bn.running_var.mul_(4.0)
         else:
-            other = randomize_bn(ConvBN(3, 16, bias=True, kernel_size=3, stride=2).bn)
+            other = randomize_batch_norm(ConvBN(3, 16, bias=True, kernel_size=3, stride=2).bn, 0)
             mod.bn.load_state_dict(other.state_dict())
         assert_same(opt(x), mod(x))
 
