@@ -388,10 +388,13 @@ class Lowering:
                 self.env[n] = r = self._call(n)
                 node = self.g.nodes[-1] if self.g.nodes else None
                 if isinstance(r, ir.Buffer) and node is not None and node.out is r:
-                    # A cast or view of module state is module state too.
+                    # A cast or view of module state is module state too, unless
+                    # its size follows the input's (ViT's class token expanded to
+                    # the batch): a constant's size is fixed at compile time.
                     tensors = [b for b in node.inputs if b.is_tensor]
                     r.constant = (bool(tensors) and all(b.constant for b in tensors)
-                                  and not isinstance(node, ir.Conv) and not node.effects)
+                                  and not isinstance(node, ir.Conv) and not node.effects
+                                  and (not r.is_tensor or all(type(s) is int for s in r.size)))
                     if isinstance(node, ir.Aten) and node.target in CONSTANT_FACTORIES and not node.inputs:
                         r.constant = r.is_tensor
             elif n.op == "get_attr":

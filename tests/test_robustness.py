@@ -199,3 +199,28 @@ def test_ops_reading_permuted_elementwise_results_see_eager_strides(case):
     }[case]
     with torch.no_grad():
         assert_matches(torch.compile(fn, backend="cpu_layout", options={"debug": True})(x), fn(x))
+
+
+def test_parameter_expanded_to_the_batch_under_mark_dynamic(compiled_graphs):
+    """ViT's class token: a parameter expanded to the (dynamic) batch is not module
+    state of a fixed size; treating it as one specialised the batch (Dynamo's
+    ConstraintViolationError under mark_dynamic in the C++ wrapper)."""
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 4, 4)
+            self.cls = nn.Parameter(torch.randn(1, 1, 8))
+
+        def forward(self, x):
+            t = self.conv(x).flatten(2).transpose(1, 2)
+            return torch.cat([self.cls.expand(t.shape[0], -1, -1), t], dim=1)
+
+    m = Tokens().eval()
+    fn = torch.compile(m, backend="cpu_layout")
+    for bs in (2, 3):
+        x = torch.randn(bs, 3, 16, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            assert_matches(fn(x), m(x))
+    assert len(compiled_graphs) == 1
