@@ -13,6 +13,7 @@ generated loop that keeps intermediates in registers.
 from __future__ import annotations
 
 from cpu_layout import ir
+from cpu_layout import layout as L
 from cpu_layout.codegen import expr as E
 
 MAX_POST_OPS = 8
@@ -41,7 +42,7 @@ def _residual(node: ir.Pointwise, conv_out: ir.Buffer):
     other = b if a is conv_out else a if b is conv_out else None
     if not isinstance(other, ir.Buffer) or other is conv_out or not other.is_tensor:
         return None
-    if other.size != conv_out.size or other.dtype != conv_out.dtype or node.out.dtype != conv_out.dtype:
+    if not L.same_sizes(other.size, conv_out.size) or other.dtype != conv_out.dtype or node.out.dtype != conv_out.dtype:
         return None
     return other
 
@@ -55,7 +56,7 @@ def fuse_conv_epilogues(g: ir.Graph) -> int:
             if len(out.users) != 1 or not isinstance(out.users[0], ir.Pointwise):
                 break
             user = out.users[0]
-            if user.out.dtype != out.dtype or user.out.size != out.size:
+            if user.out.dtype != out.dtype or not L.same_sizes(user.out.size, out.size):
                 break
             act = _activation(user) if len(user.inputs) == 1 else None
             residual = None if act is not None else _residual(user, out)
@@ -120,7 +121,7 @@ def fuse_pointwise(g: ir.Graph) -> int:
             continue
         users = n.out.users
         u = users[0] if len(users) == 1 else None
-        if (u is not None and u in group and n.out not in outputs and u.out.size == n.out.size
+        if (u is not None and u in group and n.out not in outputs and L.same_sizes(u.out.size, n.out.size)
                 and n.out.layout == u.out.layout):
             group[n] = group[u]
         else:

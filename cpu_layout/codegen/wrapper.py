@@ -68,7 +68,7 @@ def _required(node: ir.Node, b: ir.Buffer):
         return None
     if isinstance(node, ir.Pointwise):
         # ATen's output follows full-size inputs; broadcast operands don't matter.
-        return out.layout if b.size == out.size else None
+        return out.layout if L.same_sizes(b.size, out.size) else None
     return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
 
 
