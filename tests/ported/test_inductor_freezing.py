@@ -42,18 +42,19 @@ from ported_support import compile_, clone, assert_same  # noqa: E402
 pytestmark = pytest.mark.usefixtures("strict_compile", "wrapper")
 
 
-def check(fn, args, inference_mode=True):
+def check(fn, args, inference_mode=True, bf16=False):
     """Compile `fn`, compare with eager under no_grad; compile it afresh under
-    inference_mode and compare again."""
+    inference_mode and compare again. `bf16`: the graph computes in bf16 even
+    where its output is fp32, so compare to bf16 tolerance."""
     with torch.no_grad():
         ref = fn(*clone(args))
         opt = compile_(fn)
-        assert_same(opt(*clone(args)), ref)
-        assert_same(opt(*clone(args)), ref)  # a second call, as upstream's test_cpp_wrapper
+        assert_same(opt(*clone(args)), ref, bf16)
+        assert_same(opt(*clone(args)), ref, bf16)  # a second call, as upstream's test_cpp_wrapper
     if inference_mode:  # a fresh compile, under inference_mode only
         torch._dynamo.reset()
         with torch.inference_mode():
-            assert_same(compile_(fn)(*clone(args)), fn(*clone(args)))
+            assert_same(compile_(fn)(*clone(args)), fn(*clone(args)), bf16)
     return opt
 
 
@@ -309,7 +310,10 @@ def test_dont_change_dtype_folding():
     def foo(mod, x):
         return mod(x) * torch.full([1], 2.0)
 
-    check(foo, (mod, x))
+    # The output is fp32 (a 1-d fp32 operand promotes) but the conv rounds to
+    # bf16 first; a different accumulation order moves some values by one bf16
+    # ulp, so the values compare to bf16 tolerance. The dtype still compares exactly.
+    check(foo, (mod, x), bf16=True)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
