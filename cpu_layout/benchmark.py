@@ -20,6 +20,8 @@ Backends
                      torch.compile does not freeze); with wrapper="cpp" also
                      torch._inductor.config.cpp_wrapper = True (Inductor's best CPU config).
                      All Inductor settings go through config.patch, so nothing leaks.
+  openvino           OpenVINO's CPU plugin, outside Dynamo (OpenVINOCompiled): the fp32
+                     model through ov.convert_model + ov.compile_model, called on numpy.
 
 Every compiled backend is wrapped in a distinct counting callable: Dynamo cannot
 share cache entries between two configurations (torch.compile(backend="inductor")
@@ -56,7 +58,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch  # noqa: E402
 
-BACKENDS = ("eager", "cpu_layout", "inductor", "inductor_freezing")
+BACKENDS = ("eager", "cpu_layout", "inductor", "inductor_freezing", "openvino")
 DTYPES = ("float32", "bfloat16", "amp")
 WRAPPERS = ("default", "cpp")
 STATUSES = ("pass", "fail_accuracy", "fail_to_run", "eager_two_runs_differ")
@@ -253,6 +255,52 @@ class Compiled:
             raise WrongCodeRan(f"{self.label}: Inductor's freeze() never ran: not a freezing build")
 
 
+@dataclasses.dataclass
+class OpenVINOCompiled(Compiled):
+    """OpenVINO's CPU plugin, for comparison: on the first call
+    ov.convert_model(fp32 model, example_input=x), its input fixed to x's shape (batch dim
+    left dynamic if `dynamic`; the converter leaves every dim dynamic), then
+    ov.compile_model(..., "CPU", {INFERENCE_PRECISION_HINT: f32, or bf16 for dtype amp /
+    bfloat16, INFERENCE_NUM_THREADS: torch.get_num_threads()}). Input and weights stay
+    fp32 in every dtype: the hint is how OpenVINO is asked for bf16. A call returns output
+    0 as a torch tensor (contiguous fp32: OpenVINO has no strides and picks its own
+    precision, so compare values only, in eager's dtype).
+
+    torch.compile(backend="openvino") is not used: on torch 2.13 it fails while Dynamo
+    creates guards (AssertionError: sources must not be empty for symbol s...)."""
+
+    _ov_model: Any = None
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(torch.float32).contiguous().clone()  # x.numpy() needs fp32
+
+    def __call__(self, x):
+        if self._ov_model is None:
+            self._compile(x)
+        self.runs += 1
+        return torch.from_numpy(self._ov_model(x.numpy())[0])  # a fresh array per call
+
+    def _compile(self, x: torch.Tensor) -> None:
+        import openvino as ov
+
+        with torch.no_grad():  # no autocast: OpenVINO converts the fp32 graph
+            m = ov.convert_model(self.model, example_input=x)
+        m.reshape([-1 if self.dynamic else x.shape[0], *x.shape[1:]])
+        cfg = {"INFERENCE_PRECISION_HINT": "f32" if self.dtype == "float32" else "bf16",
+               "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+        self._ov_model = ov.compile_model(m, "CPU", cfg)
+        self.compiles += 1
+
+
+def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOCompiled:
+    try:
+        import openvino  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - missing, or its native libraries do not load
+        raise NotSupportedYet(f"openvino is not importable ({type(exc).__name__}: {exc})") from exc
+    m = prepare_model(model, "float32", False)
+    return OpenVINOCompiled("openvino", dtype, dynamic, "default", False, m, fn=m)
+
+
 def _backend_callable(c: Compiled, backend: str, wrapper: str, options: Optional[dict]):
     """The compiler Dynamo calls: counts compiles, wraps the result to count runs."""
     if backend == "cpu_layout":
@@ -316,7 +364,8 @@ def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
     served. Pass reset=False only to keep several backends of ONE configuration alive
     together (each has its own counting backend, so their cache entries stay apart).
     Raises ValueError for bad arguments, NotSupportedYet for cpu_layout + wrapper="cpp"
-    while the backend does not implement it.
+    while the backend does not implement it, and for openvino when it does not import.
+    backend="openvino" ignores wrapper, channels_last and options (OpenVINOCompiled).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -328,6 +377,8 @@ def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
         ok, reason = cpp_wrapper_supported()
         if not ok:
             raise NotSupportedYet(cpp_not_supported_message(reason))
+    if backend == "openvino":
+        return _openvino(model, dtype, dynamic)
     m = prepare_model(model, dtype, channels_last)
     c = Compiled(backend, dtype, dynamic, wrapper, channels_last, m, fn=m)
     if backend == "eager":

@@ -16,6 +16,12 @@ def strict() -> bool:
     return _flag("CPU_LAYOUT_STRICT")
 
 
+def profile() -> bool:
+    """CPU_LAYOUT_PROFILE=1: the default wrapper times every call by kind
+    (runtime.PROFILE); read when a graph is compiled."""
+    return _flag("CPU_LAYOUT_PROFILE")
+
+
 def cpp_wrapper_default() -> bool:
     return _flag("CPU_LAYOUT_CPP_WRAPPER")
 

@@ -47,10 +47,33 @@ def _residual(node: ir.Pointwise, conv_out: ir.Buffer):
     return other
 
 
+def _activation_through_views(g: ir.Graph, conv: ir.Conv) -> bool:
+    """conv -> views -> activation (a linear run as a 1x1 conv, then reshaped
+    before its GELU): the activation becomes a post-op and the views carry the
+    activated values; an element-wise op commutes with any view."""
+    b, chain = conv.out, []
+    while len(b.users) == 1 and isinstance(b.users[0], ir.Aten) and b.users[0].rule == ir.VIEW:
+        b = b.users[0].out
+        chain.append(b)
+    if not chain or len(b.users) != 1 or not isinstance(b.users[0], ir.Pointwise):
+        return False
+    user = b.users[0]
+    act = _activation(user) if len(user.inputs) == 1 else None
+    if act is None or user.out.dtype != b.dtype or not L.same_sizes(user.out.size, b.size):
+        return False
+    conv.post_ops.append(act)
+    g.replace_all_uses(user.out, b)
+    g.remove(user)
+    g.buffers.pop(user.out.name, None)
+    return True
+
+
 def fuse_conv_epilogues(g: ir.Graph) -> int:
     """Returns how many nodes were folded into convolutions."""
     fused = 0
     for conv in g.convs():
+        while len(conv.post_ops) < MAX_POST_OPS and _activation_through_views(g, conv):
+            fused += 1
         while len(conv.post_ops) < MAX_POST_OPS:
             out = conv.out
             if len(out.users) != 1 or not isinstance(out.users[0], ir.Pointwise):

@@ -18,6 +18,14 @@ from cpu_layout import layout as L
 FREE = "free"  # we produce it (conv, fused kernel): any layout, planner's choice
 FOLLOW = "follow"  # layout-agnostic ATen op: output takes its tensor inputs' layout
 EAGER = "eager"  # layout-sensitive or unknown: inputs as eager had them, output as eager's
+# A view op (permute, view, transpose, unsqueeze, ...): reads its input in
+# whatever layout it has and aliases it when memory order allows, else makes
+# one copy into the planned layout. Its output layout is the plan's (a label,
+# or an explicit permutation of the dims).
+VIEW = "view"
+# Reads its inputs as they are (or, for `Node.dense_inputs`, contiguous) and
+# writes a contiguous output whatever their strides: matmuls, layer_norm.
+DENSE = "dense"
 
 
 @dataclass(eq=False)
@@ -30,8 +38,10 @@ class Buffer:
     eager_stride: Optional[tuple] = None
     producer: Optional["Node"] = None
     users: List["Node"] = field(default_factory=list)
-    # Set by planning: L.CONTIGUOUS, L.CHANNELS_LAST, or EAGER (exactly eager's strides).
-    layout: Optional[str] = None
+    # Set by planning: L.CONTIGUOUS, L.CHANNELS_LAST, EAGER (exactly eager's
+    # strides), or for a VIEW result an explicit stride order (a permutation
+    # of the dims, outermost first) when no label matches.
+    layout: Any = None
     # Module state (parameter/buffer) or computed only from module state (e.g. an
     # autocast copy of a weight): computed once, recomputed only when a source changes.
     constant: bool = False
@@ -53,6 +63,16 @@ class Buffer:
             return L.CONTIGUOUS
         return labels[0] if labels else EAGER
 
+    def eager_want(self):
+        """The order eager has this tensor in: a named order, else eager's own
+        permutation of the dims (an element-wise result of a permuted view),
+        or None when eager's strides are dense in no order (expanded)."""
+        order = self.eager_order()
+        if order != EAGER:
+            return order
+        perm = L.stride_order(self.size, self.eager_stride)
+        return perm if L.is_in_order(self.size, self.eager_stride, perm) else None
+
     def __repr__(self):
         return f"Buffer({self.name})"
 
@@ -69,6 +89,10 @@ class Node:
 
     def tensor_inputs(self) -> List[Buffer]:
         return [b for b in self.inputs if b.is_tensor]
+
+    def dense_inputs(self) -> List[Buffer]:
+        """DENSE nodes: the inputs they read contiguous (the others as they are)."""
+        return []
 
 
 @dataclass(eq=False)
@@ -107,6 +131,8 @@ class Conv(Node):
     # the conv (its weight and bias inputs are already folded); bn is then None.
     prefolded: Optional[BatchNormFold] = None
     post_ops: list = field(default_factory=list)
+    # A linear layer run as this 1x1 conv over [1, K, 1, M] (lower._linear_as_conv).
+    linear: bool = False
     rule: str = FREE
 
 
@@ -145,6 +171,24 @@ class Reduction(Node):
     keepdim: bool = False
     aten: Optional[tuple] = None  # (target, args, kwargs) of the ATen call it replaces
     rule: str = FREE
+
+
+@dataclass(eq=False)
+class LayerNorm(Node):
+    """layer_norm over the last `n_norm` dims (a generated kernel, float32
+    statistics): reads x contiguous, writes contiguous as ATen does.
+    inputs: [x, weight?, bias?]."""
+
+    x: Buffer = None
+    weight: Optional[Buffer] = None
+    bias: Optional[Buffer] = None
+    n_norm: int = 1
+    eps: float = 1e-5
+    aten: Optional[tuple] = None  # (target, args, kwargs) of native_layer_norm, for empty inputs
+    rule: str = DENSE
+
+    def dense_inputs(self) -> List[Buffer]:
+        return [self.x]
 
 
 @dataclass(eq=False)
@@ -226,6 +270,28 @@ class Graph:
         while node in old.users:
             old.users.remove(node)
         new.users.append(node)
+
+    def replace_all_uses(self, old: Buffer, new: Buffer) -> None:
+        """Every reader of `old` reads `new` instead, in its inputs and in every
+        field that names buffers (ATen args, post-op residuals, output values)."""
+        import dataclasses
+
+        def sub(v):
+            if v is old:
+                return new
+            if isinstance(v, list):
+                return [sub(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(sub(x) for x in v)
+            if isinstance(v, dict):
+                return {k: sub(x) for k, x in v.items()}
+            return v
+
+        for user in list(old.users):
+            for f in dataclasses.fields(user):
+                if f.name not in ("inputs", "out"):
+                    setattr(user, f.name, sub(getattr(user, f.name)))
+            self.replace_input(user, old, new)
 
     def walk(self):
         """Every node, including those inside cpp_wrapper segments."""

@@ -15,6 +15,7 @@ import torch
 from torch.fx import Node as FxNode
 
 from cpu_layout import ir, runtime
+from cpu_layout import layout as L
 
 aten = torch.ops.aten
 
@@ -64,6 +65,28 @@ FOLLOW_OPS = {
 }
 
 _FLOAT = (torch.float32, torch.bfloat16)
+
+# View ops (rule VIEW): they alias their input in whatever layout the plan gave
+# it, when memory order allows.
+VIEW_TARGETS = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default,
+                aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim)
+# Ops whose result is contiguous whatever their inputs' strides (ATen's
+# kernels allocate it so) and whose values do not depend on them: rule DENSE.
+DENSE_TARGETS = (aten.addmm.default, aten.mm.default, aten.bmm.default)
+
+
+def permutation_of(target, args, rank: int):
+    """The dims a permute-like view op reads its input in (None for a reshape)."""
+    if target is aten.permute.default:
+        return tuple(d % rank for d in args[1])
+    if target is aten.t.default:
+        return (1, 0) if rank == 2 else tuple(range(rank))
+    if target is aten.transpose.int:
+        dims = list(range(rank))
+        a, b = args[1] % rank, args[2] % rank
+        dims[a], dims[b] = dims[b], dims[a]
+        return tuple(dims)
+    return None
 
 # Deterministic tensor factories: with static arguments their result is a
 # constant of the graph (e.g. the index ramps of a decomposed upsample).
@@ -231,6 +254,89 @@ class Lowering:
         self.g.add(node)
         return out
 
+    def _layer_norm(self, n: FxNode):
+        """native_layer_norm whose mean/rstd nothing reads: a LayerNorm node."""
+        x, shape, w, b, eps = n.args
+        xv = self._val(x)
+        used = {u.args[1] for u in n.users if u.target is operator.getitem}
+        if (xv.dtype not in _FLOAT or used - {0} or len(used) != len(n.users)
+                or not all(type(s) is int for s in shape) or not shape
+                or len({self._val(a).dtype for a in (w, b) if a is not None} - {xv.dtype, torch.float32}) > 0
+                or len({self._val(a).dtype for a in (w, b) if a is not None}) > 1):
+            return self._aten(n, ir.EAGER)
+        out_v = self._val(n)[0]
+        if out_v.dtype != xv.dtype or not L.same_sizes(tuple(out_v.stride()),
+                                                        L.contiguous_strides(tuple(out_v.shape))):
+            return self._aten(n, ir.EAGER)
+        out = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
+        wb = self.env[w] if w is not None else None
+        bb = self.env[b] if b is not None else None
+        xb = self.env[x]
+        self.g.add(ir.LayerNorm(n.name, [xb] + [t for t in (wb, bb) if t is not None], out, x=xb,
+                                weight=wb, bias=bb, n_norm=len(shape), eps=float(eps),
+                                aten=(n.target, self._arg(n.args), self._arg(n.kwargs))))
+        return _Picked({0: out})
+
+    def _linear_as_conv(self, n: FxNode):
+        """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights: a 1x1 conv on
+        oneDNN (a GEMM over channels with fused bias and post-ops). [M, K]
+        row-major is [1, K, 1, M] channels-last, so the views in and out are
+        free when the conv computes channels-last. Static sizes only (the views
+        print their sizes)."""
+        addmm = n.target is aten.addmm.default
+        if n.kwargs or len(n.args) != (3 if addmm else 2):
+            return None
+        bias, x, wt = (n.args if addmm else (None, *n.args))
+        xb, wtb = self.env[x], self.env[wt]
+        bb = self.env[bias] if bias is not None else None
+        tnode = wtb.producer
+        if not (isinstance(tnode, ir.Aten) and tnode.target in (aten.t.default, aten.permute.default)
+                and permutation_of(tnode.target, tnode.args, 2) == (1, 0)):
+            return None
+        w = tnode.inputs[0]
+        v = self._val(n)
+        sizes = (*xb.size, *w.size, *v.shape)
+        if (xb.rank != 2 or w.rank != 2 or not w.constant or xb.dtype not in _FLOAT
+                or not L.same_sizes(w.eager_stride, L.contiguous_strides(w.size))  # a weight, not a slice
+                or any(t.dtype != xb.dtype for t in (w, v)) or not all(type(s) is int for s in sizes)
+                or (bb is not None and (not bb.constant or bb.rank != 1 or bb.dtype != xb.dtype))
+                or not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape)))):
+            return None
+        (m, k), (nout, _) = xb.size, w.size
+        if m == 0:
+            return None
+
+        def view(name, src, target, args, size):
+            st = L.strides_for_order(size, L.CHANNELS_LAST if len(size) == 4 else L.CONTIGUOUS)
+            out = self.g.new_buffer(size=tuple(size), dtype=src.dtype, eager_stride=st)
+            self.g.add(ir.Aten(name, [src], out, rule=ir.VIEW, target=target, args=(src, *args)))
+            out.constant = src.constant
+            return out
+
+        x4 = view(f"{n.name}_in", view(f"{n.name}_xt", xb, aten.permute.default, ([1, 0],), (k, m)),
+                  aten.view.default, ([1, k, 1, m],), (1, k, 1, m))
+        w4 = view(f"{n.name}_w", w, aten.view.default, ([nout, k, 1, 1],), (nout, k, 1, 1))
+        w4.eager_stride = L.contiguous_strides(w4.size)
+        y4 = self.g.new_buffer(size=(1, nout, 1, m), dtype=xb.dtype,
+                               eager_stride=L.strides_for_order((1, nout, 1, m), L.CHANNELS_LAST))
+        self.g.add(ir.Conv(f"{n.name}_conv", [x4, w4] + ([bb] if bb is not None else []), y4, x=x4,
+                           weight=w4, bias=bb, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                           linear=True))
+        yt = view(f"{n.name}_yt", y4, aten.view.default, ([nout, m],), (nout, m))
+        out = view(n.name, yt, aten.permute.default, ([1, 0],), (m, nout))
+        out.eager_stride = tuple(v.stride())
+        return out
+
+    def _dense(self, n: FxNode):
+        if n.target in (aten.addmm.default, aten.mm.default):
+            r = self._linear_as_conv(n)
+            if r is not None:
+                return r
+        v = self._val(n)
+        if not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape))):
+            return self._aten(n, ir.EAGER)
+        return self._aten(n, ir.DENSE)
+
     def _reduction(self, n: FxNode):
         x = n.args[0]
         xv, v = self._val(x), self._val(n)
@@ -312,6 +418,12 @@ class Lowering:
             return self._conv(n)
         if t is aten._native_batch_norm_legit_no_training.default:
             return self._batch_norm(n)
+        if t is aten.native_layer_norm.default:
+            return self._layer_norm(n)
+        if t in VIEW_TARGETS:
+            return self._aten(n, ir.VIEW)
+        if t in DENSE_TARGETS:
+            return self._dense(n)
         if t is operator.getitem:
             src = self.env[n.args[0]]
             if isinstance(src, _Picked):

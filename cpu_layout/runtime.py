@@ -24,6 +24,39 @@ def _planned_cl(order: str, rank: int) -> bool:
     return order == L.CHANNELS_LAST and rank in (4, 5)
 
 
+# Layout copies the runtime made (to_order conversions, views that had to
+# copy), for tests that check them against the plan and for profiling.
+COPIES = {"count": 0, "bytes": 0}
+
+
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    COPIES["count"] += 1
+    COPIES["bytes"] += x.numel() * x.element_size()
+    return x
+
+
+# CPU_LAYOUT_PROFILE=1: seconds and calls per kind of work, summed over calls
+# of every graph compiled while it was set (default wrapper; see `profile_kind`).
+PROFILE: dict = {}
+
+
+class Timed:
+    """A runner that adds its wall time to PROFILE[kind]."""
+
+    def __init__(self, kind: str, fn):
+        self.kind, self.fn = kind, fn
+
+    def __call__(self, *args, **kwargs):
+        import time
+
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        entry = PROFILE.setdefault(self.kind, [0.0, 0])
+        entry[0] += time.perf_counter() - t0
+        entry[1] += 1
+        return out
+
+
 def to_order(x: torch.Tensor, order) -> torch.Tensor:
     """`x` dense in `order`, a named order or a permutation of the dims (a
     no-op when it already is: size-1 dims are ignored)."""
@@ -32,12 +65,13 @@ def to_order(x: torch.Tensor, order) -> torch.Tensor:
             return x
         inverse = sorted(range(len(order)), key=order.__getitem__)
         out = torch.empty([x.shape[d] for d in order], dtype=x.dtype).permute(inverse)
-        return out.copy_(x)
+        return _counted(out.copy_(x))
     if order not in L.LABELS:
         return x
     if order == L.CHANNELS_LAST and x.dim() not in (4, 5):
         return to_order(x, L.order_of(order, x.dim()))  # e.g. NWC: the label's own permutation
-    return ops.to_dense(x, _planned_cl(order, x.dim()))
+    y = ops.to_dense(x, _planned_cl(order, x.dim()))
+    return y if y is x else _counted(y)
 
 
 def restride(x, order: str):
@@ -219,6 +253,50 @@ class ReductionCall:
         out = empty_in_order(k.output_shape(sizes), self.out_dtype, self.order)
         strides = list(x.stride()) + k.output_strides_over_input(sizes, out.stride())
         self.compiled.call_unchecked(sizes, [x, out], strides)
+        return out
+
+
+class ViewCall:
+    """A VIEW node: the alias when memory order allows, else the contiguous
+    copy `reshape` makes; then in the planned order (a no-op when the alias
+    already is, as the plan counts it)."""
+
+    _RESHAPE = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+    def __init__(self, target, order):
+        self.target = torch.ops.aten.reshape.default if target in self._RESHAPE else target
+        self.order = order if order in L.LABELS or isinstance(order, tuple) else None
+
+    def __call__(self, x, *args):
+        y = self.target(x, *args)
+        if y.numel() and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            _counted(y)  # reshape copied: memory order allowed no view
+        return y if self.order is None else to_order(y, self.order)
+
+
+class LayerNormCall:
+    """layer_norm on the generated kernel; input contiguous (the plan's read),
+    output contiguous like ATen's."""
+
+    def __init__(self, kernel, compiled, aten):
+        self.kernel = kernel
+        self.compiled = compiled
+        self.aten = aten
+
+    def __call__(self, x, *params):
+        k = self.kernel
+        it = iter(params)
+        w = next(it) if k.has_weight else None
+        b = next(it) if k.has_bias else None
+        if x.numel() == 0:
+            target, args, kwargs = self.aten
+            return target(x, args[1], w, b, *args[4:], **kwargs)[0]
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if w is not None and not w.is_contiguous() or b is not None and not b.is_contiguous():
+            w = w.contiguous() if w is not None else None
+            b = b.contiguous() if b is not None else None
+        self.compiled.call_unchecked(k.sizes_of(tuple(x.shape)),
+                                     [x.contiguous()] + [t for t in (w, b) if t is not None] + [out], [])
         return out
 
 

@@ -25,6 +25,12 @@ def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
         if isinstance(n, ir.Input) or n.rule == ir.EAGER:
             b.layout = ir.EAGER
             continue
+        if n.rule == ir.DENSE:
+            b.layout = L.CONTIGUOUS
+            continue
+        if n.rule == ir.VIEW:
+            b.layout = view_layout(n, choose(n) if b.rank in (3, 4, 5) else None)
+            continue
         chosen = choose(n) if b.rank in (4, 5) else None
         if n.rule == ir.FREE:
             b.layout = chosen or L.CONTIGUOUS
@@ -38,11 +44,38 @@ def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
             b.layout = src if b.rank in (4, 5) else (ir.EAGER if src == ir.EAGER else L.CONTIGUOUS)
 
 
+def view_layout(n: ir.Node, chosen=None):
+    """The layout a VIEW node's result has: the plan's label when it gave one
+    (a copy converts when the alias is not in it), else the alias of its
+    input's layout (a label when one matches, else the explicit order), or
+    contiguous when memory order allows no alias (reshape copies). A view of
+    a buffer with eager's strides has eager's strides."""
+    from cpu_layout.lower import permutation_of
+
+    if chosen is not None:
+        return chosen
+    src = n.inputs[0]
+    if src.layout in (ir.EAGER, None):
+        return ir.EAGER
+    st = L.strides_for_order(src.size, src.layout)
+    perm = permutation_of(n.target, n.args, src.rank)
+    alias = tuple(st[d] for d in perm) if perm is not None else L.view_strides(src.size, st, n.out.size)
+    if alias is None:
+        return L.CONTIGUOUS
+    labels = L.matching_labels(n.out.size, alias) if n.out.rank in (3, 4, 5) else (
+        (L.CONTIGUOUS,) if L.is_in_order(n.out.size, alias, L.CONTIGUOUS) else ())
+    return labels[0] if labels else L.stride_order(n.out.size, alias)
+
+
 def kernel_spec(n: ir.Node):
     """The generated kernel that runs a Kernel or Reduction node."""
     from cpu_layout.codegen import expr as E
-    from cpu_layout.codegen.cpp_kernels import PointwiseKernel, ReductionKernel
+    from cpu_layout.codegen.cpp_kernels import LayerNormKernel, PointwiseKernel, ReductionKernel
 
+    if isinstance(n, ir.LayerNorm):
+        params = [b.dtype for b in (n.weight, n.bias) if b is not None]
+        return LayerNormKernel(n.x.dtype, n.n_norm, n.weight is not None, n.bias is not None, n.eps,
+                               params[0] if params else None)
     if isinstance(n, ir.Kernel):
         return PointwiseKernel([b.dtype for b in n.inputs], [(n.expr, n.out.dtype)], n.out.rank)
     return ReductionKernel(n.inputs[0].dtype, E.Load(0), n.kind, n.inputs[0].rank, n.dims,
@@ -58,7 +91,7 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
     if choose is None:
         from cpu_layout.plan import ir_plan
 
-        choose = ir_plan.planner_choice(g)
+        choose = ir_plan.planner_choice(g, kernels)
     _propagate(g, choose)
     if kernels:
         fuse.fuse_pointwise(g)
@@ -70,7 +103,7 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
     node to what runs it. Returns (runners, library or None)."""
     from cpu_layout.codegen.cpp_kernels import compile_library
 
-    knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction))]
+    knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm))]
     specs = [kernel_spec(n) for n in knodes]
     compiled, library = compile_library(specs + list(extra_kernels), name_hint=f"graph_{len(g.nodes)}",
                                         extra_source=extra_source, extra_cdef=extra_cdef)
@@ -78,6 +111,8 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
     for n, spec, c in zip(knodes, specs, compiled):
         if isinstance(n, ir.Kernel):
             runners[n] = runtime.KernelCall(c, n.out.dtype, n.out.layout, n.out.rank)
+        elif isinstance(n, ir.LayerNorm):
+            runners[n] = runtime.LayerNormCall(spec, c, n.aten)
         else:
             runners[n] = runtime.ReductionCall(spec, c, n.out.dtype, n.out.layout, n.aten)
     for n in g.nodes:
@@ -85,6 +120,8 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
             runners[n] = runtime.ConvCall(n, n.out.layout)
         elif isinstance(n, ir.Pointwise):
             runners[n] = runtime.AtenPointwise(n.aten[0], n.out.layout, n.out.dtype)
+        elif isinstance(n, ir.Aten) and n.rule == ir.VIEW:
+            runners[n] = runtime.ViewCall(n.target, n.out.layout)
         elif isinstance(n, ir.Aten):
             runners[n] = n.target
         if n in runners and n.out is not None and n.out.constant:

@@ -318,6 +318,24 @@ static inline H view(const H& t, int nn, const int64_t* nsz) {
   return alias(t, nn, nsz, nst);
 }
 
+// aten::as_strided: sizes and strides over `t`'s storage, at storage offset `off` (-1: t's own).
+static inline H as_strided(const H& t, int nd, const int64_t* sz, const int64_t* st, int64_t off) {
+  int64_t cur;
+  shim(aoti_torch_get_storage_offset(t.get(), &cur), "storage_offset");
+  AtenTensorHandle h;
+  // reinterpret_tensor adds its offset to t's own.
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, off < 0 ? 0 : off - cur, &h), "as_strided");
+  return H(h);
+}
+
+// ATen's reshape: the view when the strides allow it, else a view of a contiguous copy.
+static inline H reshape(const H& t, int nn, const int64_t* nsz) {
+  int64_t nst[16];
+  if (view_strides((int)dim(t), sizes(t), strides(t), nn, nsz, nst)) return alias(t, nn, nsz, nst);
+  H c = copy_in_order(t, false);
+  return view(c, nn, nsz);
+}
+
 static inline H permute(const H& t, int nd, const int* perm) {
   int64_t sz[16], st[16];
   const int64_t* s = sizes(t); const int64_t* r = strides(t);

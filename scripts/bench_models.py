@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Built-in model suite: cpu_layout against eager and Inductor, one table.
+"""cpu_layout against eager, Inductor and OpenVINO on a model suite, one table.
 
+Suites: builtin (cpu_layout.models, small inputs), torchvision and timm (cpu_layout.zoo,
+random weights, nothing downloads; inputs --batch (1) x 3 x --size x --size (224)).
 For every model x dtype (float32, amp) x shape (static, dynamic = batch dim only):
 median latency of
   eager      the model as is
@@ -10,17 +12,22 @@ median latency of
   frzpy      Inductor with freezing, default (Python) wrapper
   cpl        cpu_layout, default (Python) wrapper
   cplcpp     cpu_layout, C++ wrapper (options={"cpp_wrapper": True})
+  ov         OpenVINO's CPU plugin (ov.convert_model + ov.compile_model; fp32 input,
+             INFERENCE_PRECISION_HINT bf16 for amp, bfloat16; benchmark.OpenVINOCompiled)
 timed in interleaved rounds in the same process (so machine noise hits all alike),
-speedups vs eager and vs frz, compile time (first call minus a median call) of each
-compiled backend, and a check of every compiled output against eager: values with
-PyTorch's benchmark tolerances (cpu_layout.benchmark.TOLERANCE) and output strides
-(size-1 dims ignored). Geomeans at the bottom.
+speedups vs eager, vs frz and (cpl, cplcpp) vs ov, compile time (first call minus a
+median call) of each compiled backend, and a check of every compiled output against
+eager: values with PyTorch's benchmark tolerances (cpu_layout.benchmark.TOLERANCE) and
+output strides (size-1 dims ignored; not for ov, which returns numpy arrays). Geomeans
+at the bottom.
 
 Each configuration starts from torch._dynamo.reset(); each compiled backend has its
 own counting backend and the script checks that the timed calls ran the code that
 backend compiled (and, for frz, that Inductor's freeze() really ran).
 
-    python scripts/bench_models.py [--models a,b] [--dtypes float32,amp] [--shapes static,dynamic]
+    python scripts/bench_models.py [--suite builtin|torchvision|timm] [--models a,b]
+                                   [--batch N] [--size N] [--dtypes float32,amp]
+                                   [--shapes static,dynamic] [--backends eager,cplcpp,ov]
                                    [--threads N] [--iters N] [--quick] [--csv PATH]
 
 Inductor compile times dominate the run time (seconds to tens of seconds per graph on
@@ -50,7 +57,7 @@ if "--cold" in sys.argv:  # must happen before torch/inductor read their cache l
 import torch  # noqa: E402
 
 from cpu_layout import benchmark as B  # noqa: E402
-from cpu_layout import models  # noqa: E402
+from cpu_layout import models, zoo  # noqa: E402
 
 # label -> (backend, channels_last, wrapper)
 VARIANTS = {
@@ -61,10 +68,23 @@ VARIANTS = {
     "frzpy": ("inductor_freezing", False, "default"),
     "cpl": ("cpu_layout", False, "default"),
     "cplcpp": ("cpu_layout", False, "cpp"),
+    # OpenVINO called directly, not through torch.compile(backend="openvino"), which fails
+    # on torch 2.13 (see cpu_layout.benchmark.OpenVINOCompiled)
+    "ov": ("openvino", False, "default"),
 }
-COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp")
-# Like-for-like wrapper comparisons printed under the table: (ours, Inductor's).
-PAIRS = (("cpl", "frzpy"), ("cplcpp", "frz"))
+COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "ov")
+OURS = ("cpl", "cplcpp")
+# Comparisons printed under the table: (ours, theirs, what kind of comparison).
+PAIRS = (("cpl", "frzpy", "same kind of wrapper"), ("cplcpp", "frz", "same kind of wrapper"),
+         ("cpl", "ov", "OpenVINO"), ("cplcpp", "ov", "OpenVINO"))
+# --models all for the real suites: common classification CNNs.
+SUITE_ALL = {
+    "torchvision": ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0",
+                    "convnext_tiny", "shufflenet_v2_x1_0", "densenet121", "googlenet",
+                    "regnet_y_800mf", "mnasnet1_0", "squeezenet1_1"),
+    "timm": ("resnet50", "mobilenetv3_large_100", "efficientnet_b0", "convnext_tiny",
+             "regnety_008", "resnest50d", "densenet121"),
+}
 
 
 def log(msg):
@@ -86,12 +106,25 @@ def fmt_s(v):
     return f"{v:{W}.1f}" if v is not None else f"{'-':>{W}}"
 
 
+def build(args, name):
+    """(model, batch size -> example input, batch size) for one model of args.suite."""
+    if args.suite == "builtin":
+        return (models.build(name)[0], lambda bs: models.build(name, batch_size=bs)[1],
+                args.batch or models.MODELS[name][1][0])
+    model = zoo.build(args.suite, name)
+    shape = zoo.default_input_shape(args.suite, name, model)
+    if args.size:
+        shape = tuple(shape[:-2]) + (args.size, args.size)
+    return model, lambda bs: zoo.example_input((bs,) + tuple(shape)), args.batch or 1
+
+
 def run_config(name, dtype, shape, variants, args):
     """One model x dtype x shape: compile all variants, check, time. Returns a result dict."""
     dynamic = shape == "dynamic"
-    model, x = models.build(name)
+    model, make_input, batch = build(args, name)
+    x = make_input(batch)
     torch._dynamo.reset()
-    res = {"model": name, "dtype": dtype, "shape": shape, "batch": int(x.shape[0]),
+    res = {"model": name, "dtype": dtype, "shape": shape, "batch": batch,
            "lat": {}, "compile": {}, "status": {}, "flags": [], "reasons": []}
     fns = {}
     ref = None
@@ -118,11 +151,13 @@ def run_config(name, dtype, shape, variants, args):
             ref = out
             res["fp64"] = B.fp64_reference(model, x)
         elif ref is not None:
+            if label == "ov" and isinstance(ref, torch.Tensor):
+                out = out.to(ref.dtype)  # OpenVINO returns fp32; eager's amp/bf16 output is bf16
             if not B.values_match(ref, out, res.get("fp64"), dtype):
                 res["flags"].append(f"{label}:values")
                 res["reasons"].append(f"{label}: {name}, AccuracyError: "
                                       f"{B.describe_error(ref, out, res.get('fp64'), dtype)}")
-            if label != "eager_cl" and not B.strides_match(ref, out):
+            if label not in ("eager_cl", "ov") and not B.strides_match(ref, out):
                 res["flags"].append(f"{label}:strides")
                 res["reasons"].append(f"{label}: {name}, strides differ: {B.stride_report(ref, out)}")
         for w in c.fallback_warnings:
@@ -149,7 +184,7 @@ def run_config(name, dtype, shape, variants, args):
             res["compile"].pop(label, None)
     res["lat"] = lat
     if dynamic:  # a second batch size must not recompile
-        x2 = models.build(name, batch_size=res["batch"] + 1)[1]
+        x2 = make_input(batch + 1)
         for label, (c, _) in fns.items():
             if label not in COMPILED or label not in lat:
                 continue
@@ -162,50 +197,46 @@ def run_config(name, dtype, shape, variants, args):
                 continue
             if c.compiles != before:
                 res["flags"].append(f"{label}:recompiled")
-                res["reasons"].append(f"{label}: {name}, batch {res['batch'] + 1} recompiled "
-                                      f"(the batch dimension was not dynamic)")
+                why = ("Dynamo specialises batch 1" if batch == 1
+                       else "the batch dimension was not dynamic")
+                res["reasons"].append(f"{label}: {name}, batch {batch + 1} recompiled ({why})")
     res.pop("fp64", None)
     return res
 
 
 def print_table(results, variants):
     lat_cols = list(variants)
-    x_cols = [v for v in variants if v != "eager"]
-    vs_frz = [v for v in ("ind", "cpl", "cplcpp") if v in variants and "frz" in variants]
+    # speedup sections: (reference variant, variants compared with it)
+    speed = [("eager", [v for v in variants if v != "eager"]),
+             ("frz", [v for v in ("ind",) + OURS if v in variants]),
+             ("ov", [v for v in OURS if v in variants])]
+    speed = [(ref, cols) for ref, cols in speed if ref in variants and cols]
     comp_cols = [v for v in COMPILED if v in variants]
-    sections = [("latency ms", lat_cols), ("x eager", x_cols)]
-    if vs_frz:
-        sections.append(("x frz", vs_frz))
-    sections.append(("compile s", comp_cols))
-    left = f"{'model':<14}{'dtype':<8}{'shape':<8}{'bs':>3}"
+    sections = ([("latency ms", lat_cols)] + [(f"x {ref}", cols) for ref, cols in speed]
+                + [("compile s", comp_cols)])
+    mw = max([14] + [len(r["model"]) + 2 for r in results])
+    left = f"{'model':<{mw}}{'dtype':<8}{'shape':<8}{'bs':>3}"
     h1 = " " * len(left) + "".join(" | " + f"{t:<{W * len(c)}}" for t, c in sections)
     h2 = left + "".join(" | " + "".join(f"{v:>{W}}" for v in c) for _, c in sections) + " | flags"
-    print("median ms per call; x eager = eager / variant, x frz = frz / variant (>1: variant "
-          "faster), all measured in the same run; compile s = first call - median call")
+    print("median ms per call; x R = R's latency / variant's (>1: variant faster than R), all "
+          "measured in the same run; compile s = first call - median call")
     print(h1)
     print(h2)
     print("-" * len(h2))
-    cols = {("x", v): [] for v in x_cols}
-    cols.update({("f", v): [] for v in vs_frz})
+    sp = {(ref, v): [] for ref, cols in speed for v in cols}
     ctime = {v: [] for v in comp_cols}
-    cratio = {"ind": [], "frz": []}
+    cratio = {"ind": [], "frz": [], "ov": []}
     for r in results:
         lat = r["lat"]
-        e, f = lat.get("eager"), lat.get("frz")
-        line = f"{r['model']:<14}{r['dtype']:<8}{r['shape']:<8}{r['batch']:>3} |"
-        line += "".join(fmt_ms(lat.get(v)) for v in lat_cols) + " |"
-        for v in x_cols:
-            sp = e / lat[v] if e and lat.get(v) else None
-            line += fmt_x(sp)
-            if sp:
-                cols[("x", v)].append(sp)
-        if vs_frz:
+        line = f"{r['model']:<{mw}}{r['dtype']:<8}{r['shape']:<8}{r['batch']:>3} |"
+        line += "".join(fmt_ms(lat.get(v)) for v in lat_cols)
+        for ref, cols in speed:
             line += " |"
-            for v in vs_frz:
-                sp = f / lat[v] if f and lat.get(v) else None
-                line += fmt_x(sp)
-                if sp:
-                    cols[("f", v)].append(sp)
+            for v in cols:
+                x = lat[ref] / lat[v] if lat.get(ref) and lat.get(v) else None
+                line += fmt_x(x)
+                if x:
+                    sp[(ref, v)].append(x)
         line += " |"
         for v in comp_cols:
             t = r["compile"].get(v)
@@ -220,50 +251,61 @@ def print_table(results, variants):
         line += " | " + (",".join(r["flags"] + status) or "ok")
         print(line)
     print("-" * len(h2))
-    g = f"{'geomean':<{len(left)}} |" + " " * (W * len(lat_cols)) + " |"
-    g += "".join(fmt_x(B.geomean(cols[("x", v)])) for v in x_cols)
-    if vs_frz:
-        g += " |" + "".join(fmt_x(B.geomean(cols[("f", v)])) for v in vs_frz)
+    g = f"{'geomean':<{len(left)}} |" + " " * (W * len(lat_cols))
+    for ref, cols in speed:
+        g += " |" + "".join(fmt_x(B.geomean(sp[(ref, v)])) for v in cols)
     g += " |" + "".join(fmt_s(B.geomean(ctime[v]) if ctime[v] else None) for v in comp_cols)
     print(g)
-    for ours, theirs in PAIRS:
+    for ours, theirs, kind in PAIRS:
         rs = [r["lat"][theirs] / r["lat"][ours] for r in results
               if r["lat"].get(ours) and r["lat"].get(theirs)]
         if rs:
-            print(f"{ours} vs {theirs} (same kind of wrapper): geomean {B.geomean(rs):.2f}x "
+            print(f"{ours} vs {theirs} ({kind}): geomean {B.geomean(rs):.2f}x "
                   f"(min {min(rs):.2f}, max {max(rs):.2f}, {len(rs)} configs; >1: {ours} faster)")
     for k, lst in cratio.items():
         if lst:
             print(f"compile time cpl / {k}: geomean {B.geomean(lst):.3f} "
                   f"(min {min(lst):.3f}, max {max(lst):.3f}, {len(lst)} configs)")
-    reasons = [f"{r['model']} {r['dtype']} {r['shape']}: {m}" for r in results for m in r["reasons"]]
-    if reasons:
+    notes = [f"{r['model']} {r['dtype']} {r['shape']}: {m}" for r in results for m in r["reasons"]]
+    if "ov" in variants:
+        notes.insert(0, f"ov: values checked only (OpenVINO returns numpy arrays, no strides), "
+                        f"cast to eager's dtype; fp32 input and weights, INFERENCE_PRECISION_HINT "
+                        f"bf16 for amp/bfloat16, INFERENCE_NUM_THREADS {torch.get_num_threads()}")
+    if notes:
         print("\nnotes / failures (one line each):")
-        for m in reasons:
+        for m in notes:
             print("  " + m)
 
 
-def write_csv(path, results, variants):
+def write_csv(path, results, variants, suite):
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["model", "dtype", "shape", "batch_size", "variant", "status", "latency_ms",
-                    "speedup_vs_eager", "speedup_vs_frz", "compile_s", "flags"])
+        w.writerow(["suite", "model", "dtype", "shape", "batch_size", "variant", "status",
+                    "latency_ms", "speedup_vs_eager", "speedup_vs_frz", "speedup_vs_ov",
+                    "compile_s", "flags"])
         for r in results:
-            e, fz = r["lat"].get("eager"), r["lat"].get("frz")
+            refs = [r["lat"].get(k) for k in ("eager", "frz", "ov")]
             for v in variants:
                 t = r["lat"].get(v)
                 flags = ";".join(fl for fl in r["flags"] if fl.startswith(v + ":"))
-                w.writerow([r["model"], r["dtype"], r["shape"], r["batch"], v,
-                            r["status"].get(v, "skipped"),
-                            f"{t * 1e3:.6f}" if t else "",
-                            f"{e / t:.6f}" if e and t else "",
-                            f"{fz / t:.6f}" if fz and t else "",
-                            f"{r['compile'][v]:.6f}" if v in r["compile"] else "", flags])
+                w.writerow([suite, r["model"], r["dtype"], r["shape"], r["batch"], v,
+                            r["status"].get(v, "skipped"), f"{t * 1e3:.6f}" if t else ""]
+                           + [f"{e / t:.6f}" if e and t else "" for e in refs]
+                           + [f"{r['compile'][v]:.6f}" if v in r["compile"] else "", flags])
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="all", help="comma-separated built-in models, or all")
+    ap.add_argument("--suite", default="builtin", choices=("builtin", "torchvision", "timm"),
+                    help="model set [builtin]")
+    ap.add_argument("--models", default="all",
+                    help="comma-separated names in the suite, or all (builtin: every built-in "
+                         "model; " + "; ".join(
+                             f"{k}: {', '.join(v)}" for k, v in SUITE_ALL.items()) + ")")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="batch size (default: 1 for torchvision/timm, the model's own for builtin)")
+    ap.add_argument("--size", type=int, default=None,
+                    help="torchvision/timm: input height = width [224]; 0: the model's usual size")
     ap.add_argument("--dtypes", default="float32,amp", help="float32,amp[,bfloat16]")
     ap.add_argument("--shapes", default="static,dynamic", help="static,dynamic")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
@@ -280,10 +322,24 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.rounds, args.warmup = 12, 3, 2
-    names = list(models.MODELS) if args.models == "all" else args.models.split(",")
-    for n in names:
-        if n not in models.MODELS:
-            ap.error(f"unknown model {n!r}; built-in: {', '.join(models.MODELS)}")
+    if args.suite == "builtin":
+        if args.size is not None:
+            ap.error("--size is for the torchvision and timm suites")
+        names = list(models.MODELS) if args.models == "all" else args.models.split(",")
+        for n in names:
+            if n not in models.MODELS:
+                ap.error(f"unknown model {n!r}; built-in: {', '.join(models.MODELS)}")
+    else:
+        args.size = 224 if args.size is None else args.size
+        names = list(SUITE_ALL[args.suite]) if args.models == "all" else args.models.split(",")
+        lib = zoo.import_torchvision() if args.suite == "torchvision" else zoo.import_timm()
+        if lib is None:
+            ap.error(f"{args.suite} is not installed")
+        known = (set(lib.models.list_models()).__contains__ if args.suite == "torchvision"
+                 else lib.is_model)
+        for n in names:
+            if not known(n):
+                ap.error(f"unknown {args.suite} model {n!r}")
     dtypes = args.dtypes.split(",")
     for d in dtypes:
         if d not in B.DTYPES:
@@ -299,7 +355,10 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    inputs = (f"batch {args.batch or 1}, {args.size or 'usual'} px" if args.suite != "builtin"
+              else f"batch {args.batch or 'per model'}")
+    print(f"suite {args.suite} ({inputs}); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
           f"{args.iters} timed calls per variant in {args.rounds} interleaved rounds; "
           f"compile caches: {'fresh (cold)' if args.cold else 'as found on disk (may be warm)'}")
@@ -316,7 +375,7 @@ def main(argv=None):
     print_table(results, variants)
     print(f"\nwall time {time.perf_counter() - t_start:.0f}s, load average {os.getloadavg()[0]:.2f} at end")
     if args.csv:
-        write_csv(args.csv, results, variants)
+        write_csv(args.csv, results, variants, args.suite)
         print(f"wrote {args.csv}")
     return 0
 

@@ -21,8 +21,9 @@ fi
 
 # Test and benchmark dependencies: real model suites (torchvision pinned to the
 # release built for torch 2.13, so it cannot pull another torch; timm imports
-# it), hypothesis for the property tests, matplotlib for the runner's --plot.
-EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm)
+# it), hypothesis for the property tests, matplotlib for the runner's --plot,
+# openvino for the benchmarks' OpenVINO column.
+EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm openvino)
 STAMP="$VENV/.cpu_layout-build-stamp"
 HASH="$( (cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/*; echo "${EXTRAS[*]}") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \

@@ -517,3 +517,51 @@ def test_generated_code_needs_no_openmp_newer_than_torchs_libgomp():
                               text=True, check=True).stdout
         versions = {tuple(map(int, v.split("."))) for v in re.findall(r"\(G?OMP_([\d.]+)\)", syms)}
         assert versions and max(versions) <= (5, 0), versions
+
+
+# ---- layer_norm -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "bf16_fp32_params"])
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)],
+                         ids=["weight_bias", "weight", "none"])
+def test_layer_norm_kernel_matches_aten(dtype, param_dtype, affine):
+    from cpu_layout.codegen.cpp_kernels import LayerNormKernel
+
+    has_w, has_b = affine
+    k = LayerNormKernel(dtype, 1, has_w, has_b, 1e-6, param_dtype).compile()
+    x = (torch.randn(3, 5, 7, 96) * 3 + 10).to(dtype)  # a large mean: two-pass statistics
+    w = torch.randn(96).to(param_dtype) if has_w else None
+    b = torch.randn(96).to(param_dtype) if has_b else None
+    out = torch.empty_like(x)
+    k(x, w, b, out)
+    ref = F.layer_norm(x, (96,), w, b, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_layer_norm_kernel_over_two_dims_and_empty_rows():
+    from cpu_layout.codegen.cpp_kernels import LayerNormKernel
+
+    k = LayerNormKernel(torch.float32, 2, True, True, 1e-5).compile()
+    x, w, b = torch.randn(4, 6, 10), torch.randn(6, 10), torch.randn(6, 10)
+    out = torch.empty_like(x)
+    k(x, w, b, out)
+    torch.testing.assert_close(out, F.layer_norm(x, (6, 10), w, b))
+    empty = torch.empty(0, 6, 10)
+    k(empty, w, b, torch.empty_like(empty))  # nothing to do, nothing touched
+
+
+def test_layer_norm_kernel_refuses_bad_arguments():
+    from cpu_layout.codegen.cpp_kernels import LayerNormKernel
+
+    k = LayerNormKernel(torch.float32, 1, True, False, 1e-5).compile()
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        k(x, torch.randn(7), None, torch.empty_like(x))
+    with pytest.raises(ValueError, match="contiguous"):
+        k(x.t(), torch.randn(4), None, torch.empty(8, 4))
+    with pytest.raises(ValueError, match="weight"):
+        k(x, torch.randn(8, dtype=torch.bfloat16), None, torch.empty_like(x))

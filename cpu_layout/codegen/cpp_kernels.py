@@ -21,6 +21,7 @@ each element is read before it is written, and no other element touches it). Tha
 makes ``#pragma omp simd`` legal without ``__restrict__``, which is therefore never emitted.
 """
 import hashlib
+import math
 import operator
 
 import torch
@@ -380,6 +381,38 @@ static void reduction(const int64_t* sizes, void* const* data, const int64_t* st
   if (!go_parallel(numel, items)) { work(0, items); return; }
 #pragma omp parallel
   { int64_t b, e; chunk(items, 1, &b, &e); if (b < e) work(b, e); }
+}
+
+// Layer norm of `rows` dense rows of `cols` elements: float32 statistics in two passes over
+// the row (mean, then the centred sum of squares, as exact as ATen's moments), then
+// (x - mean) * rstd * w + b. Rows are independent, so threads take whole rows.
+template <class T, class P, bool HW, bool HB>
+static void layer_norm(int64_t rows, int64_t cols, const T* x, const P* w, const P* b, T* y,
+                       float eps) {
+  if (rows == 0) return;
+  auto work = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * cols;
+      T* yr = y + r * cols;
+      float s = 0.f, v = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < cols; ++c) s += ld(xr[c]);
+      const float mean = cols ? s / (float)cols : 0.f;
+#pragma omp simd reduction(+ : v)
+      for (int64_t c = 0; c < cols; ++c) { const float d = ld(xr[c]) - mean; v += d * d; }
+      const float rstd = 1.f / std::sqrt((cols ? v / (float)cols : 0.f) + eps);
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) {
+        float o = (ld(xr[c]) - mean) * rstd;
+        if (HW) o *= ld(w[c]);
+        if (HB) o += ld(b[c]);
+        yr[c] = cvt<T>(o);
+      }
+    }
+  };
+  if (!go_parallel(rows * cols, rows)) { work(0, rows); return; }
+#pragma omp parallel
+  { int64_t b0, e0; chunk(rows, 1, &b0, &e0); if (b0 < e0) work(b0, e0); }
 }
 }  // namespace cl
 #endif  // CL_KERNEL_PREAMBLE
@@ -819,6 +852,72 @@ class ReductionKernel(_Kernel):
         epi = f" then {self.epilogue}" if self.epilogue is not None else ""
         return (f"reduction {self.kind}{list(self.reduce_dims)} keepdim={self.keepdim} "
                 f"ndim={self.ndim} in=({ins}) of {self.prologue}{epi} -> {_SHORT[self.out_dtype]}")
+
+
+class CompiledLayerNorm(_Compiled):
+    def __call__(self, x, weight, bias, out):
+        """Validating entry point: x and out dense row-major with the same shape; weight/bias
+        (when the kernel has them) dense with the normalised shape."""
+        k = self.kernel
+        _check_tensors([x], (k.dtype,), "input")
+        _check_tensors([out], (k.dtype,), "output")
+        if tuple(out.shape) != tuple(x.shape) or not x.is_contiguous() or not out.is_contiguous():
+            raise ValueError("layer_norm: input and output must be contiguous and of one shape")
+        cols = math.prod(x.shape[x.dim() - k.n_norm:]) if x.dim() >= k.n_norm else -1
+        params = []
+        for t, has, what in ((weight, k.has_weight, "weight"), (bias, k.has_bias, "bias")):
+            if has:
+                if t is None or t.dtype != k.param_dtype or not t.is_contiguous() or t.numel() != cols:
+                    raise ValueError(f"layer_norm: {what} must be contiguous {k.param_dtype} of {cols} elements")
+                params.append(t)
+        if cols < 0:
+            raise ValueError(f"layer_norm: input of rank {x.dim()} for {k.n_norm} normalised dims")
+        self.call_unchecked(k.sizes_of(tuple(x.shape)), [x, *params, out], [])
+
+
+class LayerNormKernel(_Kernel):
+    """layer_norm over the last ``n_norm`` dims of a contiguous tensor, with optional weight
+    and bias of the input's dtype; float32 statistics. The C entry takes sizes (rows, cols)
+    and data (x, weight?, bias?, out)."""
+    _prefix = "ln"
+    _runner = CompiledLayerNorm
+
+    def __init__(self, dtype, n_norm: int, has_weight: bool, has_bias: bool, eps: float,
+                 param_dtype=None):
+        self.dtype = _check_dtype(dtype, "input")
+        # ATen's mixed form: bf16 activations with fp32 weight and bias (autocast).
+        self.param_dtype = _check_dtype(param_dtype or dtype, "weight")
+        self.n_norm, self.has_weight, self.has_bias = int(n_norm), bool(has_weight), bool(has_bias)
+        self.eps = float(eps)
+        self._compiled = None
+        self._name = None
+
+    def sizes_of(self, shape):
+        """(rows, cols) of an input of `shape`."""
+        cols = math.prod(shape[len(shape) - self.n_norm:])
+        return (math.prod(shape) // cols if cols else math.prod(shape[:len(shape) - self.n_norm]), cols)
+
+    def _key(self):
+        return ("ln", self.dtype, self.n_norm, self.has_weight, self.has_bias, self.eps, self.param_dtype)
+
+    def _body(self, name):
+        ct, pt = _CTYPE[self.dtype], _CTYPE[self.param_dtype]
+        i = iter(range(1, 3))
+        w = f"(const {pt}*)data[{next(i)}]" if self.has_weight else "nullptr"
+        b = f"(const {pt}*)data[{next(i)}]" if self.has_bias else "nullptr"
+        o = 1 + self.has_weight + self.has_bias
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  (void)strides;\n"
+            f"  cl::layer_norm<{ct}, {pt}, {str(self.has_weight).lower()}, {str(self.has_bias).lower()}>("
+            f"sizes[0], sizes[1], (const {ct}*)data[0], {w}, {b}, ({ct}*)data[{o}], "
+            f"{float_literal(self.eps)});\n}}\n")
+
+    def describe(self) -> str:
+        return (f"layer_norm over {self.n_norm} dims {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
+                f"weight={self.has_weight} "
+                f"bias={self.has_bias} eps={self.eps!r}")
 
 
 def _bad_dim(d, ndim):

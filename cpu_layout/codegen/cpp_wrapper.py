@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from cpu_layout import ir
+from cpu_layout.lower import permutation_of
 from cpu_layout import layout as L
 from cpu_layout import ops, runtime
 from cpu_layout.codegen import sizes as S
@@ -42,13 +43,13 @@ aten = torch.ops.aten
 _ES = {torch.float32: 4, torch.bfloat16: 2}
 _CL_DTYPE = {torch.float32: "CL_F32", torch.bfloat16: "CL_BF16"}
 VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
-            aten.unsqueeze.default)
+            aten.transpose.int, aten.unsqueeze.default)
 # ATen ops a segment runs through libtorch's C shim (aoti_torch_cpu_*).
 SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, aten.addmm.default,
             aten.mm.default, aten._unsafe_index.Tensor, aten.index.Tensor)
 _INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
 # ATen ops the shim lacks that csrc/cl_wrapper.h implements itself.
-OWN_OPS = (aten.upsample_nearest2d.default,)
+OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default)
 # Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
 _HELD_ES = {**_ES, torch.int64: 8}
 
@@ -102,6 +103,8 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return all(_float_tensor(b) for b in n.inputs) and n.out.rank <= 16
     if isinstance(n, ir.Reduction):
         return _float_tensor(n.inputs[0])
+    if isinstance(n, ir.LayerNorm):
+        return all(_float_tensor(b) for b in n.inputs)
     if not isinstance(n, ir.Aten) or n.multi or not _float_tensor(n.out):
         return False
     if n.target in _INDEX_OPS:  # x[..., idx, idx]: float data, integer index tensors
@@ -110,6 +113,8 @@ def runs_in_cpp(n: ir.Node) -> bool:
                 and all(i is None or (isinstance(i, ir.Buffer) and i.dtype == torch.int64) for i in idx))
     if not all(_float_tensor(b) for b in n.inputs if b.is_tensor):
         return False
+    if n.target is aten.as_strided.default:  # static sizes, strides and offset
+        return not n.kwargs and 3 <= len(n.args) <= 4 and _static(n.args[1:])
     if n.target is aten.upsample_nearest2d.default:  # output size given, no scales
         return (not n.kwargs and len(n.args) == 2 and n.inputs[0].rank == 4 and _static(n.args[1])
                 and len(n.args[1]) == 2)
@@ -198,6 +203,7 @@ class _SegmentEmitter:
         self.var: Dict[ir.Buffer, str] = {}
         self.fresh = set()   # buffers this segment allocated (may lend their storage)
         self.aliased = set()  # buffers some view aliases (never lent)
+        self.converted: Dict[tuple, str] = {}  # (buffer, order) -> handle in that order
 
     def emit(self, s: str):
         self.lines.append("    " + s)
@@ -224,20 +230,35 @@ class _SegmentEmitter:
         else:
             self.emit(f"  clw::H tmp_out = clw::empty_dense({nd}, {sz}, {cl}, {es});")
 
+    def convert_reads(self, n: ir.Node, last_conv: Dict[tuple, ir.Node]):
+        """Before node `n`, at segment scope: each input it reads in another
+        order (the wrappers' read rule), converted once per (buffer, order) and
+        shared with later readers; `release_reads` frees it after the last."""
+        from cpu_layout.codegen.wrapper import _required
+
+        for b in dict.fromkeys(n.inputs):
+            order = _required(n, b) if b in self.var else None
+            if order is None or (b, order) in self.converted:
+                continue
+            tmp = f"r{len(self.converted)}_{b.name}"
+            self.converted[(b, order)] = tmp
+            if isinstance(order, tuple):  # eager's own permutation of the dims
+                self.emit(f"const int {tmp}_p[] = {{{', '.join(map(str, order))}}};")
+                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c);")
+            else:
+                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
+
+    def release_reads(self, n: ir.Node, last_conv: Dict[tuple, ir.Node]):
+        for key, tmp in self.converted.items():
+            if last_conv.get(key) is n:
+                self.emit(f"{tmp}_c.reset();")
+
     def read(self, n: ir.Node, b: ir.Buffer, tag: str) -> str:
-        """A handle of `b` in the order node `n` needs (the wrapper's own rule), converting if needed."""
+        """A handle of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
         from cpu_layout.codegen.wrapper import _required
 
         order = _required(n, b)
-        if order is None:
-            return self.v(b)
-        tmp = f"r_{tag}"
-        if isinstance(order, tuple):  # eager's own permutation of the dims
-            self.emit(f"  const int {tmp}_p[] = {{{', '.join(map(str, order))}}};")
-            self.emit(f"  clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c);")
-        else:
-            self.emit(f"  clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
-        return tmp
+        return self.v(b) if order is None else self.converted[(b, order)]
 
     # each returns the C++ statements (inside braces) for one node
     def conv(self, n: ir.Conv, donor):
@@ -251,7 +272,7 @@ class _SegmentEmitter:
         k = n.weight.size[2:]
         e = self.emit
         self.begin(n)
-        x = self.v(n.x)
+        x = self.read(n, n.x, n.out.name)
         e(f"  const clw::H* xs = &{x}; clw::H xc; bool scl = {str(dst_cl).lower()};")
         e(f"  if (!clw::dense_in({x}, scl)) {{ if (clw::dense_in({x}, !scl)) scl = !scl; "
           f"else {{ xc = clw::copy_in_order({x}, scl); xs = &xc; }} }}")
@@ -280,7 +301,8 @@ class _SegmentEmitter:
         self.alloc(n.out, nsp + 2, "osz", donor)
         res_names = []
         for j, r in enumerate(residuals):
-            e(f"  clw::H res{j}_c; const clw::H& res{j} = clw::ordered({self.v(r)}, {str(dst_cl).lower()}, res{j}_c);")
+            rv = self.read(n, r, f"{n.out.name}_res{j}")
+            e(f"  clw::H res{j}_c; const clw::H& res{j} = clw::ordered({rv}, {str(dst_cl).lower()}, res{j}_c);")
             e(f"  if (clw::dim(res{j}) != {nsp + 2} || !std::equal(osz, osz + {nsp + 2}, clw::sizes(res{j})))")
             e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
             res_names.append(f"clw::addr(res{j})")
@@ -341,6 +363,26 @@ class _SegmentEmitter:
         e(f"  t_{n.out.name} = std::move(tmp_out);")
         self.end(n)
 
+    def layer_norm(self, n: ir.LayerNorm):
+        spec = self.kernels[n]
+        e = self.emit
+        self.begin(n)
+        x = self.read(n, n.x, n.out.name)
+        nd = n.x.rank
+        e(f"  const int64_t* xs = clw::sizes({x});")
+        e(f"  int64_t rc[2] = {{1, 1}}; for (int d = 0; d < {nd}; ++d) rc[d < {nd - n.n_norm} ? 0 : 1] *= xs[d];")
+        e(f"  {{ clw::H tmp_out = clw::empty_dense({nd}, xs, false, {_ES[n.out.dtype]});")
+        params = [self.v(b) for b in (n.weight, n.bias) if b is not None]
+        for b, p in zip([b for b in (n.weight, n.bias) if b is not None], params):
+            e(f"  if (clw::numel({p}) != rc[1] || !clw::dense_in({p}, false)) "
+              f"clw::fail(\"{n.name}: layer_norm {b.name} is not dense with the normalised size\");")
+        data = [f"clw::data({x})"] + [f"clw::data({p})" for p in params] + ["clw::data(tmp_out)"]
+        e(f"  void* const d[] = {{{', '.join(data)}}};")
+        e(f"  if (rc[0] * rc[1] > 0) {spec.name}(rc, d, nullptr);")
+        e(f"  t_{n.out.name} = std::move(tmp_out); }}")
+        self.fresh.add(n.out)
+        self.end(n)
+
     def aten_op(self, n: ir.Aten):
         t, a = n.target, n.args
         out = f"t_{n.out.name}"
@@ -349,21 +391,24 @@ class _SegmentEmitter:
         if t in VIEW_OPS:
             x = self.read(n, a[0], n.out.name)
             self.aliased.add(a[0])
+            perm = permutation_of(t, a, a[0].rank)
             if t in (aten.view.default, aten._unsafe_view.default):
                 dims = ", ".join(S.cexpr(s) for s in n.out.size)
                 e(f"  const int64_t nsz[] = {{{dims or '1'}}};")
-                e(f"  {out} = clw::view({x}, {n.out.rank}, nsz);")
-            elif t is aten.t.default:
-                perm = [1, 0] if a[0].rank == 2 else list(range(a[0].rank))
-                e(f"  const int perm[] = {{{', '.join(map(str, perm))}}};")
-                e(f"  {out} = clw::permute({x}, {a[0].rank}, perm);")
-            elif t is aten.permute.default:
-                perm = [d % a[0].rank for d in a[1]]
+                e(f"  {out} = clw::reshape({x}, {n.out.rank}, nsz);")
+            elif perm is not None:
                 e(f"  const int perm[] = {{{', '.join(map(str, perm))}}};")
                 e(f"  {out} = clw::permute({x}, {a[0].rank}, perm);")
             else:  # unsqueeze
                 d = a[1] % (a[0].rank + 1)
                 e(f"  {out} = clw::unsqueeze({x}, {d});")
+            lay = n.out.layout
+            if isinstance(lay, tuple):  # the plan's order: a no-op when the alias already is
+                e(f"  {{ const int p[] = {{{', '.join(map(str, lay))}}}; clw::H c; "
+                  f"const clw::H& r = clw::ordered_perm({out}, p, c); if (&r == &c) {out} = std::move(c); }}")
+            elif lay in L.LABELS:
+                e(f"  {{ clw::H c; const clw::H& r = clw::ordered({out}, {_cl(lay)}, c); "
+                  f"if (&r == &c) {out} = std::move(c); }}")
         elif t is aten.max_pool2d.default:
             x = self.read(n, a[0], n.out.name)
             k, st, pad = _pool_window(a)
@@ -394,6 +439,12 @@ class _SegmentEmitter:
             e("  AtenTensorHandle o;")
             e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
             e(f"  {out} = clw::H(o);")
+        elif t is aten.as_strided.default:  # over eager's layout of its input (its read rule)
+            x = self.read(n, a[0], n.out.name)
+            self.aliased.add(a[0])
+            off = -1 if len(a) < 4 or a[3] is None else int(a[3])
+            e(f"  const int64_t sz[] = {_arr(a[1])}, st[] = {_arr(a[2])};")
+            e(f"  {out} = clw::as_strided({x}, {len(a[1])}, sz, st, {off});")
         elif t is aten.upsample_nearest2d.default:
             cl = _cl(n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS)
             x = self.read(n, a[0], n.out.name)
@@ -498,18 +549,29 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
     members = seg.members
     outset = set(outs)
     pool: Dict[ir.Node, ir.Buffer] = {}
+    last_conv: Dict[tuple, ir.Node] = {}
+    from cpu_layout.codegen.wrapper import _required
+    for m in members:
+        for b in m.inputs:
+            order = _required(m, b)
+            if order is not None:
+                last_conv[(b, order)] = m
     for i, m in enumerate(members):
         donor = pool.pop(m, None)
+        em.convert_reads(m, last_conv)
         if isinstance(m, ir.Conv):
             em.conv(m, donor)
         elif isinstance(m, ir.Kernel):
             em.kernel(m, donor)
         elif isinstance(m, ir.Reduction):
             em.reduction(m, donor)
+        elif isinstance(m, ir.LayerNorm):
+            em.layer_norm(m)
         else:
             em.aten_op(m)
         if debug and m.out.layout in L.LABELS:
             em.emit(f"clw::check_order(t_{m.out.name}, {_cl(m.out.layout)}, \"{m.out.name}\");")
+        em.release_reads(m, last_conv)
         # Free what died here; a same-size buffer the next allocation can take is lent to it.
         dying = [b for b in dict.fromkeys(m.inputs) if last_use.get(b) is m and b in em.var
                  and b not in outset and b not in consts]
@@ -659,7 +721,7 @@ def build(g: ir.Graph, debug: bool = False):
     kernels = {}
     for _gi, grp, *_ in seg_specs:
         for m in grp:
-            if isinstance(m, (ir.Kernel, ir.Reduction)):
+            if isinstance(m, (ir.Kernel, ir.Reduction, ir.LayerNorm)):
                 kernels[m] = schedule.kernel_spec(m)
     sources, cdefs, segs = [], [], []
     for k, (gi, grp, acts, consts, outs, scalars) in enumerate(seg_specs):

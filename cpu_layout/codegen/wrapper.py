@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-from cpu_layout import ir
+from cpu_layout import config, ir
 from cpu_layout import layout as L
 from cpu_layout import runtime
 
@@ -58,11 +58,22 @@ class _Emitter:
 
 
 def _required(node: ir.Node, b: ir.Buffer):
-    """The order `node` needs input `b` in, or None for as it is."""
-    if not b.is_tensor or isinstance(node, (ir.Conv, ir.Getitem, ir.Kernel, ir.Reduction, ir.Segment)):
-        return None  # convs and kernels read any strides (segments convert inside); getitem only picks
+    """THE read rule: the order `node` reads input `b` in, or None for as it
+    is. The planner prices the same reads (plan/ir_plan.py)."""
+    if isinstance(node, ir.Conv):
+        # Its activation and residuals in the layout it computes in (the cost
+        # model's conv); weights are the primitive's business.
+        acts = [node.x] + [p[1] for p in node.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        lay = node.out.layout
+        return lay if lay in L.LABELS and b.rank == node.out.rank and any(a is b for a in acts) else None
+    if not b.is_tensor or isinstance(node, (ir.Getitem, ir.Kernel, ir.Reduction, ir.Segment)):
+        return None  # kernels read any strides (segments convert inside); getitem only picks
     if isinstance(node, ir.Output) or node.rule == ir.EAGER:
-        return _eager_input_order(b)
+        return b.eager_want()
+    if node.rule == ir.VIEW:
+        return None  # a view reads what it is given; its own layout follows (schedule)
+    if node.rule == ir.DENSE:
+        return L.CONTIGUOUS if any(d is b for d in node.dense_inputs()) else None
     out = node.out
     if out is None or out.layout not in L.LABELS:
         return None
@@ -70,20 +81,6 @@ def _required(node: ir.Node, b: ir.Buffer):
         # ATen's output follows full-size inputs; broadcast operands don't matter.
         return out.layout if L.same_sizes(b.size, out.size) else None
     return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
-
-
-def _eager_input_order(b: ir.Buffer):
-    """The order eager had `b` in, for an op that must see it as eager did: a
-    named order, else eager's own permutation of the dims (an element-wise
-    result of a permuted view), or None when `b` is eager's already or its
-    eager strides are in no order (expanded, overlapping)."""
-    order = b.eager_order()
-    if order != ir.EAGER:
-        return order
-    if b.layout == ir.EAGER or b.layout is None:
-        return None
-    perm = L.stride_order(b.size, b.eager_stride)
-    return perm if L.is_in_order(b.size, b.eager_stride, perm) else None
 
 
 def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
@@ -111,6 +108,21 @@ def _canonical_eager_order(b: ir.Buffer):
                  if L.same_sizes(L.strides_for_order(b.size, p), b.eager_stride)), None)
 
 
+def profile_kind(n: ir.Node) -> str:
+    """What a node's time counts as in a profile (CPU_LAYOUT_PROFILE)."""
+    if isinstance(n, ir.Conv):
+        return "conv (oneDNN)"
+    if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm)):
+        return "generated kernels"
+    if isinstance(n, ir.Segment):
+        return "C++ segments"
+    if isinstance(n, ir.Aten) and n.rule == ir.DENSE:
+        return "matmul (ATen)"
+    if isinstance(n, ir.Aten) and n.rule == ir.VIEW:
+        return "views"
+    return "other ATen / Python"
+
+
 def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
              raw_outputs: bool = False):
     """Python source of `call(args)` and its globals. `runners` maps nodes to
@@ -118,6 +130,9 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
     segments). `raw_outputs`: return buffers as computed (planned strides),
     for callers that are not graph outputs (the cpp_wrapper prologue)."""
     em = _Emitter()
+    if config.profile():
+        em.globals["to_order"] = runtime.Timed("layout copies", runtime.to_order)
+        runners = {n: runtime.Timed(profile_kind(n), r) for n, r in runners.items()}
     inputs = [n for n in g.nodes if isinstance(n, ir.Input)]
     last_use: Dict[ir.Buffer, ir.Node] = {}
     for n in g.nodes:
@@ -127,16 +142,31 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
     if inputs:
         em.emit(", ".join(n.out.name for n in inputs) + ", = args")
         em.emit("args.clear()")  # the boxed convention: we own the inputs now
+    # Conversions: one per (buffer, order), shared by every node that reads
+    # it so (as the plan counts them), dropped after the last of them.
+    reads: Dict[ir.Node, Dict[ir.Buffer, tuple]] = {}
+    last_conv: Dict[tuple, ir.Node] = {}
+    for n in g.nodes:
+        if isinstance(n, ir.Input):
+            continue
+        for b in n.inputs:
+            order = None if raw_outputs and isinstance(n, ir.Output) else _required(n, b)
+            if order is not None and not _planned_strides_match(b, order):
+                reads.setdefault(n, {})[b] = (b, order)
+                last_conv[(b, order)] = n
+    converted: Dict[tuple, str] = {}
     for n in g.nodes:
         if isinstance(n, ir.Input):
             continue
         names: Dict[ir.Buffer, str] = {}
-        for b in n.inputs:
-            order = None if raw_outputs and isinstance(n, ir.Output) else _required(n, b)
-            if order is not None and b not in names and not _planned_strides_match(b, order):
-                tmp = f"{b.name}_{'cl' if order == L.CHANNELS_LAST else 'cf'}"
-                em.emit(f"{tmp} = to_order({b.name}, {order!r})")
-                names[b] = tmp
+        for b, key in reads.get(n, {}).items():
+            if key not in converted:
+                order = key[1]
+                tag = ("p" + "".join(map(str, order)) if isinstance(order, tuple)
+                       else "cl" if order == L.CHANNELS_LAST else "cf")
+                converted[key] = f"{b.name}_{tag}"
+                em.emit(f"{converted[key]} = to_order({b.name}, {order!r})")
+            names[b] = converted[key]
         if isinstance(n, ir.Output):
             vals = []
             for v in n.values:
@@ -157,7 +187,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
                 em.emit("del " + ", ".join(handed))
             rest = [names.get(b, b.name) for b in n.inputs[n.n_activations:]]
             call = f"{fn}(_in, " + ", ".join(rest) + ")"
-        elif isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction)):
+        elif isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction, ir.LayerNorm)):
             call = f"{fn}(" + ", ".join(names.get(b, b.name) for b in n.inputs) + ")"
         elif isinstance(n, ir.Getitem):
             call = f"{names.get(n.inputs[0], n.inputs[0].name)}[{n.index}]"
@@ -170,7 +200,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
         if debug and n.out.is_tensor and n.out.layout in L.LABELS:
             em.emit(f"check_layout({n.out.name}, {n.out.layout!r}, {n.out.name!r})")
         dead = [b.name for b in dict.fromkeys(n.inputs) if last_use.get(b) is n and b.name not in handed]
-        dead += list(names.values())
+        dead += [converted[k] for k in dict.fromkeys(reads.get(n, {}).values()) if last_conv[k] is n]
         if dead:
             em.emit("del " + ", ".join(dead))
     source = "\n".join(em.lines) + "\n"

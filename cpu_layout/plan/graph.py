@@ -44,6 +44,9 @@ class Node:
     dtype: torch.dtype
 
     kind = "node"
+    # Computed from module state alone: run once and memoized, so a copy only
+    # constant nodes read is made once, not per call.
+    constant = False
 
     @property
     def rank(self) -> int:
@@ -89,8 +92,11 @@ class Conv(Node):
 
 @dataclass(eq=False)
 class Pointwise(Node):
-    """n-ary elementwise op with broadcasting (relu, add, mul, dtype casts, ...)."""
+    """n-ary elementwise op with broadcasting (relu, add, mul, dtype casts, ...).
+    `strided_reads`: it runs in a generated kernel, which reads an input in
+    another order in place (priced like the copy it replaces, never made)."""
     op: str = "pointwise"
+    strided_reads: bool = False
     kind = "pointwise"
 
 
@@ -99,6 +105,7 @@ class Reduction(Node):
     dims: Tuple[int, ...] = ()
     keepdim: bool = False
     op: str = "sum"
+    strided_reads: bool = False
     kind = "reduction"
 
 
@@ -145,10 +152,14 @@ class Linear(Node):
 
 @dataclass(eq=False)
 class Fallback(Node):
-    """An op we do not know: runs in ATen. `needs_contiguous` says whether it must get
-    contiguous inputs (else it accepts any strides). Its output is contiguous."""
+    """An op that reads its inputs in fixed orders and writes a fixed layout.
+    `wants`, one per input, is the order each is read in (None: as it is);
+    without it, `needs_contiguous` says whether every input must be contiguous
+    (else any strides do). `stride` is its output's (default contiguous)."""
     op: str = "fallback"
     needs_contiguous: bool = True
+    wants: Optional[Tuple] = None
+    stride: Optional[Tuple] = None
     kind = "fallback"
 
 

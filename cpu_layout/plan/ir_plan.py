@@ -12,14 +12,15 @@ import torch
 
 from cpu_layout import ir
 from cpu_layout import layout as L
-from cpu_layout.lower import FOLLOW_OPS
+from cpu_layout.lower import FOLLOW_OPS, permutation_of
 from cpu_layout.plan import graph as pg
 from cpu_layout.plan.planner import Plan, plan
 
 aten = torch.ops.aten
 
 
-def to_planner_graph(g: ir.Graph) -> pg.Graph:
+def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
+    """`kernels`: element-wise nodes will run in generated kernels (else on ATen)."""
     pgraph = pg.Graph()
     known = set()
 
@@ -27,6 +28,7 @@ def to_planner_graph(g: ir.Graph) -> pg.Graph:
         return tuple(b.name for b in dict.fromkeys(bs) if b.is_tensor and b.name in known)
 
     def add(node):
+        node.constant = bool(g.buffers.get(node.name) is not None and g.buffers[node.name].constant)
         pgraph.add(node)
         known.add(node.name)
 
@@ -37,8 +39,8 @@ def to_planner_graph(g: ir.Graph) -> pg.Graph:
                 if isinstance(v, ir.Buffer) and v.is_tensor and v.name in known:
                     pgraph.add(pg.Output(f"output{i}", (v.name,), v.size, v.dtype, stride=v.eager_stride))
             continue
-        if b is None or not b.is_tensor:
-            continue  # tuples (multi-output ATen ops) and Python scalars: their Getitems enter as inputs
+        if b is None or (not b.is_tensor and not (isinstance(n, ir.Aten) and n.multi)):
+            continue  # Python scalars
         if isinstance(n, ir.Input) or isinstance(n, ir.Getitem):
             add(pg.Input(b.name, (), b.size, b.dtype, stride=b.eager_stride))
         elif isinstance(n, ir.Conv):
@@ -48,10 +50,10 @@ def to_planner_graph(g: ir.Graph) -> pg.Graph:
                         out_channels=b.size[1], kernel=tuple(k), stride=n.stride, padding=n.padding,
                         dilation=n.dilation, groups=n.groups, bias=n.bias is not None))
         elif isinstance(n, ir.Pointwise):
-            add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op))
+            add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels))
         elif isinstance(n, ir.Reduction):
             add(pg.Reduction(b.name, tensors(n.inputs), b.size, b.dtype, dims=n.dims,
-                             keepdim=n.keepdim, op=n.kind))
+                             keepdim=n.keepdim, op=n.kind, strided_reads=True))
         elif isinstance(n, ir.Aten) and n.rule == ir.FOLLOW:
             ins = tensors(n.inputs)
             if n.target is aten.cat.default:
@@ -60,23 +62,43 @@ def to_planner_graph(g: ir.Graph) -> pg.Graph:
                 add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=FOLLOW_OPS[n.target]))
             else:
                 add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
-        else:
-            needs_cf = all(i.eager_order() != L.CHANNELS_LAST for i in n.inputs if i.is_tensor)
-            ins = tensors(n.inputs)
-            if ins:
-                add(pg.Fallback(b.name, ins, b.size, b.dtype, needs_contiguous=needs_cf))
+        elif n.rule == ir.VIEW and n.inputs[0].name in known:
+            src = n.inputs[0]
+            perm = permutation_of(n.target, n.args, src.rank)
+            if perm is not None:
+                add(pg.Permute(b.name, (src.name,), b.size, b.dtype, dims=perm))
             else:
+                add(pg.View(b.name, (src.name,), b.size, b.dtype))
+        else:
+            ins = tensors(n.inputs)
+            if not ins:
                 add(pg.Input(b.name, (), b.size, b.dtype, stride=b.eager_stride))
+                continue
+            if not b.is_tensor:  # a tuple: its reads are priced, its Getitems enter as inputs
+                b = ir.Buffer(b.name, size=(), dtype=torch.float32, eager_stride=())
+            # The wrappers' read rule, priced: EAGER reads eager's orders and writes
+            # eager's strides; DENSE reads its dense inputs contiguous, writes contiguous.
+            by_name = {t.name: t for t in n.inputs if t.is_tensor}
+            if n.rule == ir.DENSE:
+                dense = {t.name for t in n.dense_inputs()}
+                wants = tuple(L.CONTIGUOUS if i in dense else None for i in ins)
+                stride = L.contiguous_strides(b.size)
+            else:
+                wants = tuple(by_name[i].eager_want() for i in ins)
+                stride = b.eager_stride
+            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride))
     return pgraph
 
 
-def planner_choice(g: ir.Graph) -> Callable[[ir.Node], str]:
+def planner_choice(g: ir.Graph, kernels: bool = True) -> Callable[[ir.Node], str]:
     """Run the planner on `g`; return the layout chooser `schedule` applies."""
-    p: Plan = plan(to_planner_graph(g))
+    p: Plan = plan(to_planner_graph(g, kernels))
     labels: Dict[str, str] = dict(p.label_of)
     g.plan = p
 
     def choose(node: ir.Node) -> str:
         return labels.get(node.out.name)
+
+    choose.plan = p
 
     return choose

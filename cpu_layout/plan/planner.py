@@ -58,6 +58,12 @@ class Copy:
     cost_us: float
     reason: str                  # "layout" (consumer wants another order) or "view" (view not expressible)
     consumers: List[str] = field(default_factory=list)
+    # Every consumer is a generated kernel that reads the source in place in
+    # the other order: priced as a copy, never made at run time.
+    strided: bool = False
+    # Every consumer is computed from module state: made once, not per call
+    # (still priced per call: the min cut does not know, a known overestimate).
+    once: bool = False
 
 
 @dataclass
@@ -80,6 +86,11 @@ class Plan:
     policies: Dict[str, float] = field(default_factory=dict)  # name -> total cost, for explain()
 
     @property
+    def executed_copies(self) -> List[Copy]:
+        """The copies the wrappers make (one per buffer and order)."""
+        return [c for c in self.copies if not c.strided and not c.once]
+
+    @property
     def total_cost(self) -> float:
         return self.conv_cost + self.copy_cost
 
@@ -98,7 +109,8 @@ class Plan:
                          f"nchw {d.cost.nchw_us:.1f} us  nhwc {d.cost.nhwc_us:.1f} us  ({d.cost.source})")
         lines.append("copies kept:" if self.copies else "copies kept: none")
         for c in self.copies:
-            lines.append(f"  {c.source} -> {c.name} for {', '.join(c.consumers)}: {c.reason}, "
+            how = "read in place by kernels" if c.strided else f"{c.reason}, once" if c.once else c.reason
+            lines.append(f"  {c.source} -> {c.name} for {', '.join(c.consumers)}: {how}, "
                          f"stride {list(c.source_layout.stride)} -> {list(c.layout.stride)}, "
                          f"{c.nbytes} B, {c.cost_us:.1f} us")
         return "\n".join(lines)
@@ -111,8 +123,29 @@ def _label_matters(size) -> bool:
 
 
 def decision_nodes(graph: Graph) -> List[str]:
-    return [n.name for n in graph
-            if n.kind == "conv" or (n.kind in _AGNOSTIC + _VIEWS and _label_matters(n.size))]
+    """Convs, layout-agnostic ops, and views of a buffer whose layout the plan
+    chooses. A view of a fixed layout (an input, a fallback's result) is not
+    one: it keeps its alias in whatever order that gives (e.g. attention's
+    head permutes of a matmul result), or copies to contiguous."""
+    out = []
+    cand: Dict[str, List[Optional[tuple]]] = {}  # varying buffer -> its strides per label of its source
+    for n in graph:
+        if n.kind == "conv" or (n.kind in _AGNOSTIC and _label_matters(n.size)):
+            out.append(n.name)
+            cand[n.name] = [strides_for_order(n.size, l) for l in LABELS]
+        elif n.kind in _VIEWS and n.inputs[0] in cand:
+            src = graph[n.inputs[0]]
+            aliases = [None if st is None else _alias(n, FixedLayout(src.size, st, src.dtype))
+                       for st in cand[n.inputs[0]]]
+            # A view of a chosen layout chooses too when some choice makes it a label (a
+            # ConvNeXt permute of a channels-last conv is contiguous); when none does (a
+            # channel shuffle's transpose), it keeps its alias in whatever order that is.
+            if _label_matters(n.size) and any(a is not None and matching_labels(n.size, a) for a in aliases):
+                out.append(n.name)
+                cand[n.name] = [strides_for_order(n.size, l) for l in LABELS]
+            else:
+                cand[n.name] = aliases
+    return out
 
 
 def uniform_assignment(graph: Graph, label: str) -> Dict[str, str]:
@@ -169,6 +202,8 @@ def _reads(node: Node, graph: Graph, label: Optional[str]) -> List[Tuple[int, Op
         srank = graph[src].rank
         if k == "conv" or (k in _AGNOSTIC and label is not None and srank == node.rank):
             out.append((i, label))
+        elif k == "fallback" and node.wants is not None:
+            out.append((i, node.wants[i]))
         elif k == "linear" or (k == "fallback" and node.needs_contiguous):
             out.append((i, CONTIGUOUS))
         elif k == "output":
@@ -176,6 +211,14 @@ def _reads(node: Node, graph: Graph, label: Optional[str]) -> List[Tuple[int, Op
         else:
             out.append((i, None))
     return out
+
+
+def _fixed_stride(node: Node) -> tuple:
+    """Strides of a node without a label: an output's are eager's, a fallback's its own
+    (eager's for an op run as eager ran it), everything else contiguous."""
+    if node.kind in ("output", "fallback") and node.stride:
+        return tuple(node.stride)
+    return contiguous_strides(node.size)
 
 
 # ---- materialisation: the cost of an assignment -------------------------------------
@@ -266,10 +309,13 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
             layout_of[name] = FixedLayout(node.size, node.stride, node.dtype)
         elif label is not None:
             layout_of[name] = _produced(node, label, memo)
-        else:  # contiguous: linear, fallback, and ops whose size makes the orders coincide
-            layout_of[name] = FixedLayout(node.size, contiguous_strides(node.size), node.dtype)
+        else:  # fixed: linear, fallback, and ops whose size makes the orders coincide
+            layout_of[name] = FixedLayout(node.size, _fixed_stride(node), node.dtype)
 
     cl = list(copies.values())
+    for c in cl:
+        c.strided = c.reason == "layout" and all(getattr(graph[u], "strided_reads", False) for u in c.consumers)
+        c.once = all(graph[u].constant for u in c.consumers)
     return Plan(layout_of, label_of, reads, cl, convs, conv_total, sum(c.cost_us for c in cl))
 
 
@@ -361,8 +407,7 @@ class _Builder:
                 self.lay[name] = {v: _produced(node, LABELS[v], self.memo) for v in (0, 1)}
             else:
                 self.dep[name] = None
-                stride = node.stride if k == "output" else contiguous_strides(node.size)
-                self.lay[name] = {0: FixedLayout(node.size, stride, node.dtype)}
+                self.lay[name] = {0: FixedLayout(node.size, _fixed_stride(node), node.dtype)}
         # Shared copies need the consumers and the producer in one polarity class
         # (see mincut.py): colour with those relations included, then build them.
         same = []

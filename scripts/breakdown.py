@@ -1,0 +1,94 @@
+"""Where a compiled forward spends its time, from the runtime's own counters.
+
+    python scripts/breakdown.py [--suite torchvision|timm|builtin] --models a,b [--batch 1]
+                                [--size 224] [--threads 1] [--dtype float32|amp] [--iters 20]
+
+Compiles each model with cpu_layout's default (Python) wrapper under
+CPU_LAYOUT_PROFILE=1, which times every call the wrapper makes by kind
+(oneDNN convs, generated kernels, matmuls on ATen, views, layout copies, other
+ATen ops), and prints milliseconds per forward for each kind, the rest
+(Python glue between calls), the copies made per forward, and the plan's own
+prediction (its conv and copy costs) next to the measured conv + copy time.
+The C++ wrapper runs the same kernels without the per-call Python: compare its
+latency in scripts/bench_models.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["CPU_LAYOUT_PROFILE"] = "1"  # read when each graph compiles
+
+import torch  # noqa: E402
+
+from cpu_layout import models, runtime, zoo  # noqa: E402
+
+
+def build(suite, name, batch, size):
+    if suite == "builtin":
+        m, x = models.build(name)
+        return m, x
+    m = zoo.build(suite, name)
+    return m, zoo.example_input((batch, 3, size, size))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", default="torchvision", choices=("builtin", "torchvision", "timm"))
+    ap.add_argument("--models", required=True, help="comma-separated names in the suite")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "amp"))
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from cpu_layout import backend
+
+    for name in args.models.split(","):
+        model, x = build(args.suite, name, args.batch, args.size)
+        graphs = []
+        real = backend.compile_graph
+
+        def spy(gm, inputs, options, real=real):
+            call = real(gm, inputs, options)
+            graphs.append(call)
+            return call
+
+        backend.compile_graph = spy
+        torch._dynamo.reset()
+        amp = args.dtype == "amp"
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                fn = torch.compile(model, backend="cpu_layout")
+                for _ in range(3):
+                    fn(x)
+                runtime.PROFILE.clear()
+                c0 = runtime.COPIES["count"]
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    fn(x)
+                wall = (time.perf_counter() - t0) / args.iters * 1e3
+        finally:
+            backend.compile_graph = real
+        copies = (runtime.COPIES["count"] - c0) / args.iters
+        per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
+        plans = [c.cpu_layout_graph.plan for c in graphs if hasattr(c.cpu_layout_graph, "plan")]
+        print(f"{name} ({args.suite}, {args.dtype}, batch {x.shape[0]}, {tuple(x.shape[2:])}, "
+              f"{args.threads} threads): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
+              f"{copies:.0f} layout copies per forward")
+        for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:22s} {v:9.3f} ms  {100 * v / wall:5.1f}%")
+        rest = wall - sum(per.values())
+        print(f"  {'Python glue':22s} {rest:9.3f} ms  {100 * rest / wall:5.1f}%")
+        pred = sum(p.total_cost for p in plans) / 1e3
+        meas = per.get("conv (oneDNN)", 0.0) + per.get("layout copies", 0.0)
+        print(f"  plan's prediction (convs + copies) {pred:.3f} ms; measured convs + copies "
+              f"{meas:.3f} ms ({pred / meas:.2f}x)" if meas else f"  plan's prediction {pred:.3f} ms")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The layout model end to end: what the plan decides is what runs.
+
+- The copies the wrappers make at run time are the plan's executed copies
+  (one per buffer and order, shared by its readers), for every built-in model
+  and for torchvision's layout-sensitive ones.
+- View ops alias whatever layout their input has (a ConvNeXt permute of a
+  channels-last conv is free); layer_norm is a generated kernel and matmuls
+  read their inputs as they are, so a ConvNeXt block plans and runs with no
+  copy and is one C++ segment.
+Values and strides against eager in fp32 and AMP, under no_grad and
+inference_mode, both wrappers.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpu_layout import ir, models, runtime, zoo
+
+pytestmark = pytest.mark.usefixtures("strict_compile")
+
+
+def compile_run(model, x, amp, compiled_graphs, grad="no_grad", cpp=False, calls=2):
+    """Eager's result, ours, and the runtime copies of the last call."""
+    mode = torch.inference_mode() if grad == "inference_mode" else torch.no_grad()
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        ref = model(x)
+        fn = torch.compile(model, backend="cpu_layout", options={"debug": True, "cpp_wrapper": cpp})
+        for _ in range(calls):
+            before = runtime.COPIES["count"]
+            y = fn(x)
+    return ref, y, runtime.COPIES["count"] - before
+
+
+def assert_same(y, ref, amp):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert y.stride() == ref.stride(), "output strides must be eager's"
+    scale = ref.float().abs().max().item() or 1.0
+    tol = 3e-2 if amp else 1e-4
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
+def planned_copies(compiled_graphs):
+    return sum(len(c.cpu_layout_graph.plan.executed_copies) for c in compiled_graphs)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("name", list(models.MODELS))
+def test_builtin_models_make_exactly_the_plans_copies(name, amp, compiled_graphs):
+    model, x = models.build(name)
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs)
+    assert_same(y, ref, amp)
+    assert copies == planned_copies(compiled_graphs), compiled_graphs[0].cpu_layout_graph.plan.explain()
+
+
+TORCHVISION = ["convnext_tiny", "shufflenet_v2_x1_0", "swin_t"]
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_torchvision_models_make_exactly_the_plans_copies(name, amp, compiled_graphs):
+    if zoo.import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    model = zoo.build("torchvision", name)
+    x = zoo.example_input((1, 3, 64, 64))
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs)
+    assert_same(y, ref, amp)
+    assert copies == planned_copies(compiled_graphs), compiled_graphs[0].cpu_layout_graph.plan.explain()
+
+
+class ConvNeXtBlock(nn.Module):
+    """torchvision's CNBlock: depthwise conv, permute to NHWC, layer_norm, MLP
+    of linears with GELU, permute back, layer scale, residual."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.scale = nn.Parameter(torch.rand(dim, 1, 1) + 0.5)
+
+    def forward(self, x):
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(F.gelu(self.fc1(self.norm(y)))).permute(0, 3, 1, 2)
+        return x + self.scale * y
+
+
+class ConvNeXtStage(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, stride=4)
+        self.blocks = nn.Sequential(ConvNeXtBlock(dim), ConvNeXtBlock(dim))
+
+    def forward(self, x):
+        return self.blocks(self.stem(x))
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_convnext_blocks_run_without_copies(amp, grad, cpp, compiled_graphs):
+    model = ConvNeXtStage().eval()
+    x = torch.randn(2, 3, 32, 32)
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad=grad, cpp=cpp)
+    assert_same(y, ref, amp)
+    g = compiled_graphs[0].cpu_layout_graph
+    plan = g.plan
+    # Only the graph's edges convert (its input to the convs' channels-last, its
+    # output to eager's contiguous); every permute inside is an alias, every
+    # layer_norm and linear reads what it is given.
+    edge = {n.out.name for n in g.walk() if isinstance(n, ir.Input) or (  # the input or its AMP cast
+        isinstance(n, ir.Kernel) and all(isinstance(b.producer, ir.Input) for b in n.inputs))}
+    inner = [c for c in plan.executed_copies
+             if c.source not in edge and not all(u.startswith("output") for u in c.consumers)]
+    assert not inner, plan.explain()
+    assert len([n for n in g.walk() if isinstance(n, ir.LayerNorm)]) == 2
+    # Each linear is a 1x1 conv on oneDNN, the first with its GELU fused.
+    assert not [n for n in g.walk() if isinstance(n, ir.Aten) and n.rule == ir.DENSE], g.dump()
+    assert sorted(len(c.post_ops) for c in g.convs()) == [0] * 5 + [1] * 2, g.dump()
+    if cpp:  # everything runs in C++: one segment, one foreign call per forward
+        assert [type(n) for n in g.nodes if not isinstance(n, (ir.Input, ir.Output, ir.Getitem))] == \
+            [ir.Aten, ir.Segment], g.dump()
+    else:
+        assert copies == len(plan.executed_copies)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_view_that_cannot_alias_copies_once_and_matches_eager(amp, cpp, compiled_graphs):
+    """flatten of a channels-last conv result is no view: one planned copy,
+    then a linear; and a transpose feeding a matmul is read in place."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 16, 3, padding=1)
+            self.fc = nn.Linear(16 * 8 * 8, 10)
+
+        def forward(self, x):
+            y = torch.relu(self.conv(x))
+            z = self.fc(y.flatten(1))
+            return z, y.mean((2, 3)) @ self.fc.weight[:, :16].t()
+
+    model = M().eval()
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs, cpp=cpp)
+    for a, b in zip(y, ref):
+        assert_same(a, b, amp)
+    if not cpp:
+        assert copies == planned_copies(compiled_graphs)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
+def test_a_conversion_read_by_two_ops_is_made_once(cpp, compiled_graphs):
+    """Two layout-sensitive readers of one channels-last buffer that want it
+    contiguous share one copy (the plan prices one)."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return torch.cumsum(y, 1), torch.cumsum(y, 2)  # EAGER reads, eager's order
+
+    model = M().eval()
+    x = torch.randn(2, 8, 16, 16).to(memory_format=torch.channels_last)
+    ref, y, copies = compile_run(model, x, False, compiled_graphs, cpp=cpp)
+    for a, b in zip(y, ref):
+        assert_same(a, b, False)
+    plan = compiled_graphs[0].cpu_layout_graph.plan
+    src = compiled_graphs[0].cpu_layout_source
+    if not cpp:
+        assert copies == len(plan.executed_copies)
+        assert src.count("to_order(") == len(plan.executed_copies), src
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_linear_layers_with_a_dynamic_batch(amp, cpp, compiled_graphs):
+    """A symbolic row count keeps the matmul on ATen (the 1x1-conv form prints
+    static sizes); values and strides still eager's, two batch sizes, one compile."""
+    model = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 8)).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        fn = torch.compile(model, backend="cpu_layout", options={"debug": True, "cpp_wrapper": cpp})
+        for batch in (4, 7):
+            xb = torch.randn(batch, 6, 24)
+            torch._dynamo.mark_dynamic(xb, 0)
+            assert_same(fn(xb), model(xb), amp)
+    assert len(compiled_graphs) == 1
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_torchvision_convnext_is_one_cpp_segment(amp, compiled_graphs):
+    """The whole of torchvision's ConvNeXt (permutes, layer norms, linears, its
+    head's as_strided) runs in one C++ call per forward."""
+    if zoo.import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    model = zoo.build("torchvision", "convnext_tiny")
+    x = zoo.example_input((1, 3, 32, 32))
+    ref, y, _ = compile_run(model, x, amp, compiled_graphs, cpp=True, calls=1)
+    assert_same(y, ref, amp)
+    g = compiled_graphs[0].cpu_layout_graph
+    assert [type(n) for n in g.nodes if not isinstance(n, (ir.Input, ir.Output, ir.Getitem))] == \
+        [ir.Aten, ir.Segment], g.dump()
