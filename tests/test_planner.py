@@ -501,3 +501,21 @@ def test_heuristics_without_table():
     assert "tiny" in tiny.source
     conv1d = cm.conv_cost(g[g.conv(g.input("w", (1, 64, 100)), 64, 3)])
     assert conv1d.source.startswith("heuristic")
+
+
+def test_aten_pooling_is_priced_per_layout():
+    """A stem conv that is a little cheaper in NCHW still computes channels-last
+    when a max pool follows: ATen's NCHW pooling costs ~10x its NHWC kernel."""
+    g = Graph()
+    x = g.input("x", (1, 3, 112, 112))
+    stem = g.conv(x, 64, 7, stride=2, padding=3, name="stem")
+    pool = g.pool(stem, 3, 2, 1, op="max", name="pool")
+    g.output(g.conv(pool, 64, 1, name="next"))
+    cm = StubCost(lambda c: (100.0, 105.0) if c.name == "stem" else (50.0, 50.0))
+    p = plan(g, cm)
+    assert p.label_of["stem"] == p.label_of["pool"] == CHANNELS_LAST, p.explain()
+    cf, cl = cm.pool_cost(g["pool"])
+    assert cf > 5 * cl and p.op_cost == pytest.approx(cl)
+    no_pool = StubCost(cm.rule)
+    no_pool.pool_cost = lambda node: (0.0, 0.0)
+    assert plan(g, no_pool).label_of["stem"] == CONTIGUOUS  # the price is what decides

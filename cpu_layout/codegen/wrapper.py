@@ -120,6 +120,8 @@ def profile_kind(n: ir.Node) -> str:
         return "matmul (ATen)"
     if isinstance(n, ir.Aten) and n.rule == ir.VIEW:
         return "views"
+    if isinstance(n, ir.Aten) and isinstance(n.target, torch._ops.OpOverload):
+        return f"ATen {n.target.__name__}"
     return "other ATen / Python"
 
 

@@ -95,6 +95,10 @@ def _flops(batch, cin, cout, groups, kernel: Tuple[int, ...], out_spatial: Tuple
     return max(f, 1.0)
 
 
+# ns per (output element x window element) of ATen's pooling, (NCHW, NHWC).
+_POOL_NS = {"max": (3.2, 0.28), "avg": (1.0, 0.12)}
+
+
 class CostModel:
     """Conv and copy costs in µs. `table` is the parsed JSON (or None: heuristics only)."""
 
@@ -120,6 +124,20 @@ class CostModel:
                 return cls(json.load(f))
         except (OSError, ValueError):
             return cls(None)
+
+    # ---- pooling (ATen's kernels) ----------------------------------------------
+    def pool_cost(self, node) -> Tuple[float, float]:
+        """(NCHW µs, NHWC µs) of an ATen max/avg pool: its channels-last kernels
+        vectorise over channels, the NCHW ones walk each window scalar, about 10x
+        slower (measured per output element and window element, 1 thread, Xeon
+        Sapphire Rapids; the ratio, not the figure, is what decides)."""
+        per = _POOL_NS.get(node.op)
+        if per is None or not node.kernel:
+            return (0.0, 0.0)
+        from cpu_layout.layout import numel_hint
+
+        work = numel_hint(node.size) * math.prod(node.kernel) / 1e3
+        return (work * per[0], work * per[1])
 
     # ---- copies ---------------------------------------------------------------
     def copy_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:

@@ -59,7 +59,11 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
             if n.target is aten.cat.default:
                 add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0))
             elif FOLLOW_OPS.get(n.target) is not None:
-                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=FOLLOW_OPS[n.target]))
+                pool = n.target in (aten.max_pool2d.default, aten.avg_pool2d.default)
+                kernel = tuple(n.args[1]) if pool and len(n.args) > 1 else ()
+                kernel = kernel * 2 if len(kernel) == 1 else kernel  # [k] means k x k
+                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=FOLLOW_OPS[n.target],
+                            kernel=kernel if all(type(k) is int for k in kernel) else ()))
             else:
                 add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
         elif n.rule == ir.VIEW and n.inputs[0].name in known:

@@ -83,6 +83,7 @@ class Plan:
     conv_cost: float
     copy_cost: float
     exact: bool = True                    # the min cut found the optimum of the model
+    op_cost: float = 0.0                  # other priced ops (ATen pooling)
     policies: Dict[str, float] = field(default_factory=dict)  # name -> total cost, for explain()
 
     @property
@@ -92,14 +93,15 @@ class Plan:
 
     @property
     def total_cost(self) -> float:
-        return self.conv_cost + self.copy_cost
+        return self.conv_cost + self.copy_cost + self.op_cost
 
     def copy_named(self, name: str) -> Copy:
         return next(c for c in self.copies if c.name == name)
 
     def explain(self) -> str:
         lines = [f"cpu_layout plan: {len(self.convs)} convs, {len(self.copies)} copies, "
-                 f"total {self.total_cost:.1f} us (convs {self.conv_cost:.1f}, copies {self.copy_cost:.1f})"
+                 f"total {self.total_cost:.1f} us (convs {self.conv_cost:.1f}, copies {self.copy_cost:.1f}, "
+                 f"pooling {self.op_cost:.1f})"
                  + ("" if self.exact else "  [approximate: conflicting permutes]")]
         for name, pol in self.policies.items():
             lines.append(f"  policy {name}: {pol:.1f} us")
@@ -258,7 +260,7 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
     reads: Dict[Tuple[str, int], str] = {}
     copies: Dict[tuple, Copy] = {}
     convs: Dict[str, ConvDecision] = {}
-    conv_total = 0.0
+    conv_total = op_total = 0.0
 
     def new_copy(key, src, lay, reason, consumer):
         c = copies.get(key)
@@ -294,6 +296,9 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
             convs[name] = ConvDecision(name, label, cost)
             conv_total += cost.of(label)
             layout_of[name] = _produced(node, label, memo)
+        elif k == "pool" and label is not None:
+            op_total += cm.pool_cost(node)[LABELS.index(label)]
+            layout_of[name] = _produced(node, label, memo)
         elif k in _VIEWS:
             src = node.inputs[0]
             alias = _alias(node, layout_of[src])
@@ -316,7 +321,7 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
     for c in cl:
         c.strided = c.reason == "layout" and all(getattr(graph[u], "strided_reads", False) for u in c.consumers)
         c.once = all(graph[u].constant for u in c.consumers)
-    return Plan(layout_of, label_of, reads, cl, convs, conv_total, sum(c.cost_us for c in cl))
+    return Plan(layout_of, label_of, reads, cl, convs, conv_total, sum(c.cost_us for c in cl), op_cost=op_total)
 
 
 def evaluate(graph: Graph, assignment: Dict[str, str], cost_model: Optional[CostModel] = None) -> float:
@@ -400,6 +405,8 @@ class _Builder:
             if k == "conv":
                 c = self.cm.conv_cost(node)
                 e.add_unary(x, c.nchw_us, c.nhwc_us)
+            elif k == "pool" and x is not None:
+                e.add_unary(x, *self.cm.pool_cost(node))
             if k in _VIEWS:
                 self._view(node, x)
             elif x is not None:
