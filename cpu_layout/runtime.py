@@ -300,6 +300,21 @@ class LayerNormCall:
         return out
 
 
+class PoolCall:
+    """A max/avg pool on the generated channels-last kernel (input channels-last:
+    the plan's read)."""
+
+    def __init__(self, kernel, compiled):
+        self.kernel = kernel
+        self.compiled = compiled
+
+    def __call__(self, x, *args):
+        size = self.kernel.output_shape(tuple(x.shape))
+        out = ops.empty_dense(size, x.dtype, True)
+        self.compiled.call_unchecked(tuple(x.shape) + size[2:], [ops.to_dense(x, True), out], [])
+        return out
+
+
 class AtenPointwise:
     """A pointwise node run by ATen (not yet fused into a kernel): the result
     is brought to the planned layout (ATen's own choice follows its inputs)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
+import torch
+
 from cpu_layout import ir
 from cpu_layout import layout as L
 from cpu_layout import runtime
@@ -67,11 +69,55 @@ def view_layout(n: ir.Node, chosen=None):
     return labels[0] if labels else L.stride_order(n.out.size, alias)
 
 
+def _pair(v):
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * (2 // len(v)) if len(v) in (1, 2) else v
+
+
+def pool_window(a):
+    """kernel, stride (empty: the kernel) and padding of a 2-D pool's ATen arguments."""
+    k = _pair(a[1])
+    st = _pair(a[2]) if len(a) > 2 and a[2] else k
+    return k, st, _pair(a[3] if len(a) > 3 else 0)
+
+
+def pool_kernel(n: ir.Node):
+    """The generated kernel that runs a max/avg pool planned channels-last
+    (ATen's NCHW and NHWC kernels are 10x apart, ours vectorises over
+    channels like the NHWC one but faster), or None: ATen runs it."""
+    from cpu_layout.codegen.cpp_kernels import PoolKernel, _CTYPE
+
+    aten = torch.ops.aten
+    if not (isinstance(n, ir.Aten) and n.target in (aten.max_pool2d.default, aten.avg_pool2d.default)
+            and not n.kwargs and n.out.layout == L.CHANNELS_LAST and n.out.rank == 4
+            and n.out.dtype in _CTYPE and n.inputs[0].dtype == n.out.dtype):
+        return None
+    a = n.args
+    if not all(type(v) in (int, bool) or v is None for v in _flat(a[1:])):
+        return None
+    k, st, pad = pool_window(a)
+    if len(k) != 2 or len(st) != 2 or len(pad) != 2:
+        return None
+    if n.target is aten.max_pool2d.default:
+        dil = _pair(a[4] if len(a) > 4 else 1)
+        return PoolKernel(n.out.dtype, "max", k, st, pad, dil, bool(a[5]) if len(a) > 5 else False)
+    return PoolKernel(n.out.dtype, "avg", k, st, pad, (1, 1), bool(a[4]) if len(a) > 4 else False,
+                      bool(a[5]) if len(a) > 5 else True, a[6] if len(a) > 6 else None)
+
+
+def _flat(v):
+    if isinstance(v, (list, tuple)):
+        return [y for x in v for y in _flat(x)]
+    return [v]
+
+
 def kernel_spec(n: ir.Node):
     """The generated kernel that runs a Kernel or Reduction node."""
     from cpu_layout.codegen import expr as E
     from cpu_layout.codegen.cpp_kernels import LayerNormKernel, PointwiseKernel, ReductionKernel
 
+    if isinstance(n, ir.Aten):
+        return pool_kernel(n)
     if isinstance(n, ir.LayerNorm):
         params = [b.dtype for b in (n.weight, n.bias) if b is not None]
         return LayerNormKernel(n.x.dtype, n.n_norm, n.weight is not None, n.bias is not None, n.eps,
@@ -103,7 +149,8 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
     node to what runs it. Returns (runners, library or None)."""
     from cpu_layout.codegen.cpp_kernels import compile_library
 
-    knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm))]
+    knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm))
+              or pool_kernel(n) is not None]
     specs = [kernel_spec(n) for n in knodes]
     compiled, library = compile_library(specs + list(extra_kernels), name_hint=f"graph_{len(g.nodes)}",
                                         extra_source=extra_source, extra_cdef=extra_cdef)
@@ -113,10 +160,14 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
             runners[n] = runtime.KernelCall(c, n.out.dtype, n.out.layout, n.out.rank)
         elif isinstance(n, ir.LayerNorm):
             runners[n] = runtime.LayerNormCall(spec, c, n.aten)
+        elif isinstance(n, ir.Aten):
+            runners[n] = runtime.PoolCall(spec, c)
         else:
             runners[n] = runtime.ReductionCall(spec, c, n.out.dtype, n.out.layout, n.aten)
     for n in g.nodes:
-        if isinstance(n, ir.Conv):
+        if n in runners:
+            pass
+        elif isinstance(n, ir.Conv):
             runners[n] = runtime.ConvCall(n, n.out.layout)
         elif isinstance(n, ir.Pointwise):
             runners[n] = runtime.AtenPointwise(n.aten[0], n.out.layout, n.out.dtype)

@@ -565,3 +565,40 @@ def test_layer_norm_kernel_refuses_bad_arguments():
         k(x.t(), torch.randn(4), None, torch.empty(8, 4))
     with pytest.raises(ValueError, match="weight"):
         k(x, torch.randn(8, dtype=torch.bfloat16), None, torch.empty_like(x))
+
+
+# ---- pooling ----------------------------------------------------------------------------
+
+POOLS = [((3, 3), (2, 2), (1, 1), (1, 1), False), ((3, 3), (2, 2), (1, 1), (1, 1), True),
+         ((3, 3), (1, 1), (1, 1), (1, 1), True), ((2, 2), (2, 2), (0, 0), (1, 1), False),
+         ((3, 2), (2, 1), (1, 0), (2, 1), False), ((5, 5), (3, 3), (2, 2), (1, 1), True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k,s,p,d,ceil", POOLS)
+def test_pool_kernel_matches_aten(dtype, k, s, p, d, ceil):
+    from cpu_layout.codegen.cpp_kernels import PoolKernel
+
+    x = torch.randn(2, 37, 17, 13).to(dtype).contiguous(memory_format=torch.channels_last)
+    x[0, 3, 4, 5] = float("nan")  # max propagates NaN as ATen does
+    aten = torch.ops.aten
+    cases = [("max", {}, aten.max_pool2d(x, k, s, p, d, ceil))]
+    if d == (1, 1):
+        cases += [("avg", dict(count_include_pad=incl, divisor=div), aten.avg_pool2d(x, k, s, p, ceil, incl, div))
+                  for incl, div in ((True, None), (False, None), (True, 3))]
+    for kind, kw, ref in cases:
+        kern = PoolKernel(dtype, kind, k, s, p, d, ceil, **kw).compile()
+        assert kern.kernel.output_shape(tuple(x.shape)) == tuple(ref.shape)
+        out = torch.empty(ref.shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        kern(x, out)
+        tol = 1e-5 if dtype == torch.float32 or kind == "max" else 1e-2
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_pool_kernel_refuses_other_layouts():
+    from cpu_layout.codegen.cpp_kernels import PoolKernel
+
+    kern = PoolKernel(torch.float32, "max", (2, 2), (2, 2), (0, 0)).compile()
+    x = torch.randn(1, 4, 8, 8)  # NCHW
+    with pytest.raises(ValueError, match="channels-last"):
+        kern(x, torch.empty(1, 4, 4, 4))

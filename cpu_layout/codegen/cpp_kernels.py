@@ -414,6 +414,62 @@ static void layer_norm(int64_t rows, int64_t cols, const T* x, const P* w, const
 #pragma omp parallel
   { int64_t b0, e0; chunk(rows, 1, &b0, &e0); if (b0 < e0) work(b0, e0); }
 }
+
+// 2-D max (KIND 0) or average (KIND 1) pooling of a channels-last (NHWC-dense) tensor, with
+// ATen's window rules (dilation for max; count_include_pad / divisor for avg; NaN propagates
+// through max). Vectorised over channels, the innermost dim; threads take output pixels.
+// sz: N, C, H, W, OH, OW.
+template <class T, int KIND>
+static void pool2d_nhwc(const int64_t* sz, const T* x, T* y, int64_t kh, int64_t kw, int64_t sh,
+                        int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool incl,
+                        int64_t div) {
+  const int64_t N = sz[0], C = sz[1], H = sz[2], W = sz[3], OH = sz[4], OW = sz[5];
+  const int64_t items = N * OH * OW;
+  if (items == 0 || C == 0) return;
+  auto work = [&](int64_t b, int64_t e) {
+    alignas(64) float acc[BLOCK];
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t ow = it % OW, oh = (it / OW) % OH, n = it / (OW * OH);
+      int64_t h0 = oh * sh - ph, w0 = ow * sw - pw, h1, w1, sth = 1, stw = 1;
+      float cnt = 1.f;
+      if (KIND == 0) {
+        h1 = h0 + (kh - 1) * dh + 1 < H ? h0 + (kh - 1) * dh + 1 : H;
+        w1 = w0 + (kw - 1) * dw + 1 < W ? w0 + (kw - 1) * dw + 1 : W;
+        while (h0 < 0) h0 += dh;
+        while (w0 < 0) w0 += dw;
+        sth = dh; stw = dw;
+      } else {
+        h1 = h0 + kh < H + ph ? h0 + kh : H + ph;
+        w1 = w0 + kw < W + pw ? w0 + kw : W + pw;
+        const int64_t psize = (h1 - h0) * (w1 - w0);
+        h0 = h0 > 0 ? h0 : 0; w0 = w0 > 0 ? w0 : 0;
+        h1 = h1 < H ? h1 : H; w1 = w1 < W ? w1 : W;
+        cnt = (float)(div > 0 ? div : incl ? psize : (h1 - h0) * (w1 - w0));
+      }
+      T* yo = y + it * C;
+      for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
+        const int64_t nc = C - c0 < BLOCK ? C - c0 : BLOCK;
+        for (int64_t j = 0; j < nc; ++j) acc[j] = KIND == 0 ? -INFINITY : 0.f;
+        for (int64_t ih = h0; ih < h1; ih += sth)
+          for (int64_t iw = w0; iw < w1; iw += stw) {
+            const T* xi = x + ((n * H + ih) * W + iw) * C + c0;
+#pragma omp simd
+            for (int64_t j = 0; j < nc; ++j) {
+              const float v = ld(xi[j]);
+              acc[j] = KIND == 0 ? ((v > acc[j] || v != v) ? v : acc[j]) : acc[j] + v;
+            }
+          }
+        const bool empty = KIND == 1 && (h0 >= h1 || w0 >= w1);
+#pragma omp simd
+        for (int64_t j = 0; j < nc; ++j)
+          yo[c0 + j] = cvt<T>(KIND == 0 ? acc[j] : empty ? 0.f : acc[j] / cnt);
+      }
+    }
+  };
+  if (!go_parallel(items * C, items)) { work(0, items); return; }
+#pragma omp parallel
+  { int64_t b0, e0; chunk(items, 1, &b0, &e0); if (b0 < e0) work(b0, e0); }
+}
 }  // namespace cl
 #endif  // CL_KERNEL_PREAMBLE
 """
@@ -918,6 +974,74 @@ class LayerNormKernel(_Kernel):
         return (f"layer_norm over {self.n_norm} dims {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
                 f"weight={self.has_weight} "
                 f"bias={self.has_bias} eps={self.eps!r}")
+
+
+def pool_output_size(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
+    """ATen's pooling_output_shape."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)) // s + 1
+    if ceil and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+class CompiledPool(_Compiled):
+    def __call__(self, x, out):
+        """Validating entry point: x and out channels-last dense [N, C, H, W], out of the
+        pooled size."""
+        k = self.kernel
+        _check_tensors([x], (k.dtype,), "input")
+        _check_tensors([out], (k.dtype,), "output")
+        want = k.output_shape(tuple(x.shape))
+        cl = torch.channels_last
+        if (x.dim() != 4 or tuple(out.shape) != want or not x.is_contiguous(memory_format=cl)
+                or not out.is_contiguous(memory_format=cl)):
+            raise ValueError(f"pool: input and output must be channels-last 4-D, output {want}")
+        self.call_unchecked(tuple(x.shape) + want[2:], [x, out], [])
+
+
+class PoolKernel(_Kernel):
+    """2-D max or avg pooling (ATen's semantics) of a channels-last tensor, parameters
+    fixed at compile time. The C entry takes sizes (N, C, H, W, OH, OW), data (x, out)."""
+    _prefix = "pool"
+    _runner = CompiledPool
+
+    def __init__(self, dtype, kind, kernel, stride, padding, dilation=(1, 1), ceil_mode=False,
+                 count_include_pad=True, divisor=None):
+        if kind not in ("max", "avg"):
+            raise ValueError(f"pool kind must be max or avg, got {kind!r}")
+        self.dtype = _check_dtype(dtype, "input")
+        self.kind = kind
+        self.kernel, self.stride, self.padding, self.dilation = (
+            tuple(int(v) for v in t) for t in (kernel, stride, padding, dilation))
+        self.ceil_mode, self.count_include_pad = bool(ceil_mode), bool(count_include_pad)
+        self.divisor = int(divisor) if divisor else 0
+        self._compiled = None
+        self._name = None
+
+    def output_shape(self, shape):
+        n, c, h, w = shape
+        return (n, c) + tuple(pool_output_size(v, *a, self.ceil_mode) for v, a in zip(
+            (h, w), zip(self.kernel, self.stride, self.padding, self.dilation)))
+
+    def _key(self):
+        return ("pool", self.dtype, self.kind, self.kernel, self.stride, self.padding, self.dilation,
+                self.ceil_mode, self.count_include_pad, self.divisor)
+
+    def _body(self, name):
+        ct = _CTYPE[self.dtype]
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel, self.stride, self.padding, self.dilation
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  (void)strides;\n"
+            f"  cl::pool2d_nhwc<{ct}, {int(self.kind == 'avg')}>(sizes, (const {ct}*)data[0], ({ct}*)data[1], "
+            f"{kh}, {kw}, {sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {str(self.count_include_pad).lower()}, "
+            f"{self.divisor});\n}}\n")
+
+    def describe(self) -> str:
+        return (f"{self.kind}_pool2d nhwc {_SHORT[self.dtype]} k{self.kernel} s{self.stride} "
+                f"p{self.padding} d{self.dilation} ceil={self.ceil_mode} "
+                f"incl={self.count_include_pad} div={self.divisor}")
 
 
 def _bad_dim(d, ndim):

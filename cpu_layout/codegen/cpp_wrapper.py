@@ -33,6 +33,7 @@ import torch
 
 from cpu_layout import ir
 from cpu_layout.lower import permutation_of
+from cpu_layout.schedule import _pair, pool_window
 from cpu_layout import layout as L
 from cpu_layout import ops, runtime
 from cpu_layout.codegen import sizes as S
@@ -409,9 +410,26 @@ class _SegmentEmitter:
             elif lay in L.LABELS:
                 e(f"  {{ clw::H c; const clw::H& r = clw::ordered({out}, {_cl(lay)}, c); "
                   f"if (&r == &c) {out} = std::move(c); }}")
+        elif n in self.kernels:  # a pool on the generated channels-last kernel
+            spec = self.kernels[n]
+            x = self.read(n, a[0], n.out.name)
+            e(f"  const int64_t* xs = clw::sizes({x});")
+            dims = [f"xs[{i}]" for i in range(4)]
+            for d, (k, st, p, dl) in enumerate(zip(spec.kernel, spec.stride, spec.padding, spec.dilation)):
+                o = f"(xs[{2 + d}] + {2 * p - dl * (k - 1) - 1 + (st - 1 if spec.ceil_mode else 0)}) / {st} + 1"
+                e(f"  int64_t o{d} = {o};")
+                if spec.ceil_mode:
+                    e(f"  if ((o{d} - 1) * {st} >= xs[{2 + d}] + {p}) o{d} -= 1;")
+                dims.append(f"o{d}")
+            e(f"  const int64_t sz[] = {{{', '.join(dims)}}};")
+            e(f"  const int64_t osz[] = {{xs[0], xs[1], o0, o1}};")
+            e(f"  {out} = clw::empty_dense(4, osz, true, {_ES[n.out.dtype]});")
+            e(f"  void* const d[] = {{clw::data({x}), clw::data({out})}};")
+            e(f"  {spec.name}(sz, d, nullptr);")
+            self.fresh.add(n.out)
         elif t is aten.max_pool2d.default:
             x = self.read(n, a[0], n.out.name)
-            k, st, pad = _pool_window(a)
+            k, st, pad = pool_window(a)
             dil = _pair(a[4] if len(a) > 4 else 1)
             ceil = int(bool(a[5])) if len(a) > 5 else 0
             e(f"  const int64_t k[] = {_arr(k)}, s[] = {_arr(st)}, p[] = {_arr(pad)}, dl[] = {_arr(dil)};")
@@ -421,7 +439,7 @@ class _SegmentEmitter:
             e(f"  clw::H drop(idx); {out} = clw::H(o);")
         elif t is aten.avg_pool2d.default:
             x = self.read(n, a[0], n.out.name)
-            k, st, pad = _pool_window(a)
+            k, st, pad = pool_window(a)
             ceil = int(bool(a[4])) if len(a) > 4 else 0
             incl = int(bool(a[5])) if len(a) > 5 else 1
             div = a[6] if len(a) > 6 else None
@@ -485,16 +503,6 @@ class _SegmentEmitter:
         return self.consts.index(b)
 
 
-def _pair(v):
-    v = list(v) if isinstance(v, (list, tuple)) else [v]
-    return v * (2 // len(v)) if len(v) in (1, 2) else v
-
-
-def _pool_window(a):
-    """kernel, stride (empty: the kernel) and padding of a 2-D pool's ATen arguments."""
-    k = _pair(a[1])
-    st = _pair(a[2]) if len(a) > 2 and a[2] else k
-    return k, st, _pair(a[3] if len(a) > 3 else 0)
 
 
 def _nbytes_key(b: ir.Buffer):
@@ -721,7 +729,7 @@ def build(g: ir.Graph, debug: bool = False):
     kernels = {}
     for _gi, grp, *_ in seg_specs:
         for m in grp:
-            if isinstance(m, (ir.Kernel, ir.Reduction, ir.LayerNorm)):
+            if isinstance(m, (ir.Kernel, ir.Reduction, ir.LayerNorm)) or schedule.pool_kernel(m) is not None:
                 kernels[m] = schedule.kernel_spec(m)
     sources, cdefs, segs = [], [], []
     for k, (gi, grp, acts, consts, outs, scalars) in enumerate(seg_specs):
