@@ -1,6 +1,7 @@
 """Convolution micro-benchmark: cpu_layout's oneDNN primitives against torch.
 
-For layer shapes of resnet50, mobilenet_v2 and maml_omniglot, prints median
+For layer shapes of resnet50, resnext50_32x4d, convnext, mobilenet_v2 and
+maml_omniglot, prints median
 per-call times of
   torch_cf    F.conv2d on contiguous (NCHW) tensors
   torch_cl    F.conv2d on channels_last tensors
@@ -39,6 +40,12 @@ SHAPES = [
     ("mobilenet_v2", "pw112", 1, 32, 112, 112, 16, 1, 1, 0, 1),
     ("mobilenet_v2", "dw28s2", 1, 144, 56, 56, 144, 3, 2, 1, 144),
     ("mobilenet_v2", "pw14", 1, 384, 14, 14, 64, 1, 1, 0, 1),
+    ("resnext50", "g32_3x3_56", 1, 128, 56, 56, 128, 3, 1, 1, 32),
+    ("resnext50", "g32_3x3_56s2", 1, 256, 56, 56, 256, 3, 2, 1, 32),
+    ("resnext50", "g32_3x3_28", 1, 256, 28, 28, 256, 3, 1, 1, 32),
+    ("resnext50", "g32_3x3_14", 1, 512, 14, 14, 512, 3, 1, 1, 32),
+    ("resnext50", "g32_3x3_7", 1, 1024, 7, 7, 1024, 3, 1, 1, 32),
+    ("convnext", "dw7x7_56", 1, 96, 56, 56, 96, 7, 1, 3, 96),
     ("maml", "conv1", 5, 1, 28, 28, 64, 3, 1, 0, 1),
     ("maml", "conv2", 5, 64, 13, 13, 64, 3, 1, 0, 1),
     ("maml", "conv3", 5, 64, 5, 5, 64, 3, 1, 0, 1),
@@ -116,7 +123,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
     ap.add_argument("--dtype", default="float32,bfloat16")
-    ap.add_argument("--models", default="resnet50,mobilenet_v2,maml")
+    ap.add_argument("--models", default="resnet50,resnext50,convnext,mobilenet_v2,maml")
     ap.add_argument("--no-fused", action="store_true", help="skip the fused post-op comparison")
     ap.add_argument("--quick", action="store_true", help="maml shapes only, fp32, 1 thread")
     args = ap.parse_args(argv)
