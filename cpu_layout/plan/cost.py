@@ -210,8 +210,11 @@ _DEFAULT: Optional[CostModel] = None
 
 
 def default_cost_model() -> CostModel:
-    """The shipped table (loaded once per process)."""
+    """Conv costs measured on this machine where allowed (plan/measure.py), else the
+    shipped table for its ISA (loaded once per process)."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = CostModel.load()
+        from cpu_layout.plan.measure import MeasuredCostModel
+
+        _DEFAULT = MeasuredCostModel(CostModel.load())
     return _DEFAULT

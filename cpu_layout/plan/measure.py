@@ -1,0 +1,151 @@
+"""Conv costs measured on the machine at hand (autotuning the layout choice).
+
+The shipped tables were measured on other CPUs; on this one the two layouts
+can rank the other way round (resnext50's 1x1 and grouped convs: the table
+said NCHW, this Xeon runs them faster in NHWC). So at compile time each conv
+shape the plan prices is run once in each layout on cpu_layout's oneDNN path
+and the medians are the costs. Results are cached on disk per oneDNN ISA and
+thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv-<isa>-<threads>t.json`,
+atomic writes, shared by processes), so a second compile measures nothing.
+Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
+2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
+convs), the table and heuristics of `cost.CostModel` price the conv.
+CPU_LAYOUT_AUTOTUNE=0 switches measuring off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from typing import Dict, Optional
+
+import torch
+
+from cpu_layout import config
+from cpu_layout.plan.cost import ConvCost, CostModel, cpu_isa
+
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("CPU_LAYOUT_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def budget_s() -> float:
+    try:
+        return float(os.environ.get("CPU_LAYOUT_AUTOTUNE_BUDGET", "2"))
+    except ValueError:
+        return 2.0
+
+
+class MeasuredCostModel(CostModel):
+    """`CostModel` whose conv costs are measured (see the module docstring)."""
+
+    def __init__(self, base: CostModel):
+        super().__init__(base.table)
+        self.base = base
+        self._disk: Optional[Dict[str, list]] = None
+        self._new: Dict[str, list] = {}
+        self._spent = 0.0
+
+    def begin_graph(self) -> None:
+        """A new graph gets a fresh measuring budget."""
+        self._spent = 0.0
+
+    def _path(self) -> str:
+        return os.path.join(config.cache_dir(), "autotune",
+                            f"conv-{cpu_isa()}-{torch.get_num_threads()}t.json")
+
+    def _load(self) -> Dict[str, list]:
+        if self._disk is None:
+            try:
+                with open(self._path()) as f:
+                    self._disk = dict(json.load(f))
+            except (OSError, ValueError):
+                self._disk = {}
+        return self._disk
+
+    def _key(self, conv) -> Optional[str]:
+        sizes = (*conv.in_size, *conv.size, *conv.kernel)
+        if len(conv.in_size) != 4 or not all(type(s) is int for s in sizes):
+            return None
+        if conv.dtype not in (torch.float32, torch.bfloat16) or conv.in_size[0] == 0:
+            return None
+        return (f"{str(conv.dtype)[6:]} n{conv.in_size[0]} {conv.in_size[1]}->{conv.size[1]} "
+                f"in{list(conv.in_size[2:])} k{list(conv.kernel)} s{list(conv.stride)} "
+                f"p{list(conv.padding)} d{list(conv.dilation)} g{conv.groups}")
+
+    def conv_cost(self, conv) -> ConvCost:
+        key = self._key(conv) if enabled() else None
+        if key is None:
+            return self.base.conv_cost(conv)
+        got = self._new.get(key) or self._load().get(key)
+        if got is None and self._spent < budget_s():
+            t0 = time.perf_counter()
+            try:
+                got = _measure(conv)
+            except Exception:  # noqa: BLE001 - a shape oneDNN refuses: the table prices it
+                got = None
+            self._spent += time.perf_counter() - t0
+            if got is not None:
+                self._new[key] = got
+        if got is None:
+            return self.base.conv_cost(conv)
+        return ConvCost(got[0], got[1], "measured on this machine")
+
+    def save(self) -> None:
+        """Merge what this process measured into the on-disk cache (atomic replace)."""
+        if not self._new:
+            return
+        path = self._path()
+        with _LOCK:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                try:
+                    with open(path) as f:
+                        merged = dict(json.load(f))
+                except (OSError, ValueError):
+                    merged = {}
+                merged.update(self._new)
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".conv-", suffix=".json")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(merged, f, indent=0, sort_keys=True)
+                os.replace(tmp, path)
+                self._disk = merged
+                self._new = {}
+            except OSError:
+                pass  # a read-only cache: measure again next time
+
+
+def _measure(conv, rounds: int = 5):
+    """Median µs of the conv in NCHW and in NHWC on cpu_layout's oneDNN path
+    (input and output in that layout, bias, no post-ops), interleaved."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # compiles run under Dynamo's fake tensors: time real ones
+        return _measure_real(conv, rounds)
+
+
+def _measure_real(conv, rounds):
+    from cpu_layout import ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(conv.in_size, generator=gen).to(conv.dtype)
+    cin_g = conv.in_size[1] // conv.groups
+    w = torch.randn((conv.size[1], cin_g, *conv.kernel), generator=gen).to(conv.dtype) * 0.1
+    b = torch.zeros(conv.size[1], dtype=conv.dtype)
+    args = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
+    xs = {"nchw": x.contiguous(), "nhwc": x.contiguous(memory_format=torch.channels_last)}
+    times = {k: [] for k in xs}
+    with torch.no_grad():
+        for lay, xi in xs.items():
+            ops.conv2d(xi, w, b, out_layout=lay, **args)  # primitive creation, weight reorder
+        for _ in range(rounds):
+            for lay, xi in xs.items():
+                t0 = time.perf_counter()
+                ops.conv2d(xi, w, b, out_layout=lay, **args)
+                times[lay].append((time.perf_counter() - t0) * 1e6)
+    return [statistics.median(times["nchw"]), statistics.median(times["nhwc"])]

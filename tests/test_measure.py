@@ -1,0 +1,80 @@
+"""Conv costs measured on the machine (plan/measure.py): measured once, cached
+on disk, bounded, switchable off, and what the planner uses in a compile."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_layout.plan import graph as pg
+from cpu_layout.plan import measure
+from cpu_layout.plan.cost import CostModel
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CPU_LAYOUT_AUTOTUNE", raising=False)
+    monkeypatch.delenv("CPU_LAYOUT_AUTOTUNE_BUDGET", raising=False)
+    return tmp_path
+
+
+def conv_graph(size=(1, 32, 16, 16), groups=1):
+    g = pg.Graph()
+    x = g.input("x", size)
+    g.conv(x, 32, 3, padding=1, groups=groups, name="c")
+    return g
+
+
+def test_measures_once_then_reads_the_disk_cache(cache, monkeypatch):
+    model = measure.MeasuredCostModel(CostModel(None))
+    c = model.conv_cost(conv_graph()["c"])
+    assert c.source == "measured on this machine" and c.nchw_us > 0 and c.nhwc_us > 0
+    model.save()
+    files = list((cache / "autotune").iterdir())
+    assert len(files) == 1 and f"{torch.get_num_threads()}t" in files[0].name
+    assert len(json.loads(files[0].read_text())) == 1
+
+    def boom(conv):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(measure, "_measure", boom)
+    again = measure.MeasuredCostModel(CostModel(None)).conv_cost(conv_graph()["c"])
+    assert (again.nchw_us, again.nhwc_us) == (c.nchw_us, c.nhwc_us)
+    assert not [p for p in (cache / "autotune").iterdir() if p.name.startswith(".")], "no temp files left"
+
+
+def test_off_budget_and_unmeasurable_shapes_use_the_table(cache, monkeypatch):
+    base = CostModel(None)
+    monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE", "0")
+    assert measure.MeasuredCostModel(base).conv_cost(conv_graph()["c"]).source.startswith("heuristic")
+    monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE", "1")
+    monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE_BUDGET", "0")
+    assert measure.MeasuredCostModel(base).conv_cost(conv_graph()["c"]).source.startswith("heuristic")
+    monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE_BUDGET", "2")
+    g = pg.Graph()
+    x = g.input("x", (1, 8, 32))  # conv1d: measured only in 2-D
+    g.conv(x, 8, 3, name="c1")
+    assert measure.MeasuredCostModel(base).conv_cost(g["c1"]).source.startswith("heuristic")
+
+
+def test_a_compile_plans_with_measured_costs(cache, monkeypatch):
+    from cpu_layout import backend
+    from cpu_layout.plan import cost
+
+    monkeypatch.setattr(cost, "_DEFAULT", None)  # a fresh model: this test's cache dir
+    made = []
+    real = backend.compile_graph
+    monkeypatch.setattr(backend, "compile_graph",
+                        lambda gm, inputs, options: made.append(real(gm, inputs, options)) or made[-1])
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 24, 24)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        y = torch.compile(model, backend="cpu_layout")(x)
+        torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-4)
+    plan = made[0].cpu_layout_graph.plan
+    assert all(d.cost.source == "measured on this machine" for d in plan.convs.values()), plan.explain()
+    assert os.listdir(cache / "autotune")
+    torch._dynamo.reset()
