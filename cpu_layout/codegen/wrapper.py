@@ -112,7 +112,9 @@ def profile_kind(n: ir.Node) -> str:
     """What a node's time counts as in a profile (CPU_LAYOUT_PROFILE)."""
     if isinstance(n, ir.Conv):
         return "conv (oneDNN)"
-    if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm)):
+    from cpu_layout.schedule import pool_kernel
+
+    if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm)) or pool_kernel(n) is not None:
         return "generated kernels"
     if isinstance(n, ir.Segment):
         return "C++ segments"
