@@ -22,6 +22,19 @@ def profile() -> bool:
     return _flag("CPU_LAYOUT_PROFILE")
 
 
+def autotune() -> bool:
+    """CPU_LAYOUT_AUTOTUNE=0: conv layouts priced from the shipped table, not timed here."""
+    return os.environ.get("CPU_LAYOUT_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def autotune_budget() -> float:
+    """CPU_LAYOUT_AUTOTUNE_BUDGET: seconds of conv timing per compiled graph (default 2)."""
+    try:
+        return float(os.environ.get("CPU_LAYOUT_AUTOTUNE_BUDGET", "2"))
+    except ValueError:
+        return 2.0
+
+
 def cpp_wrapper_default() -> bool:
     return _flag("CPU_LAYOUT_CPP_WRAPPER")
 

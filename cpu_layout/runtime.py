@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -47,8 +48,6 @@ class Timed:
         self.kind, self.fn = kind, fn
 
     def __call__(self, *args, **kwargs):
-        import time
-
         t0 = time.perf_counter()
         out = self.fn(*args, **kwargs)
         entry = PROFILE.setdefault(self.kind, [0.0, 0])

@@ -30,17 +30,6 @@ from cpu_layout.plan.cost import ConvCost, CostModel, cpu_isa
 _LOCK = threading.Lock()
 
 
-def enabled() -> bool:
-    return os.environ.get("CPU_LAYOUT_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def budget_s() -> float:
-    try:
-        return float(os.environ.get("CPU_LAYOUT_AUTOTUNE_BUDGET", "2"))
-    except ValueError:
-        return 2.0
-
-
 class MeasuredCostModel(CostModel):
     """`CostModel` whose conv costs are measured (see the module docstring)."""
 
@@ -79,11 +68,11 @@ class MeasuredCostModel(CostModel):
                 f"p{list(conv.padding)} d{list(conv.dilation)} g{conv.groups}")
 
     def conv_cost(self, conv) -> ConvCost:
-        key = self._key(conv) if enabled() else None
+        key = self._key(conv) if config.autotune() else None
         if key is None:
             return self.base.conv_cost(conv)
         got = self._new.get(key) or self._load().get(key)
-        if got is None and self._spent < budget_s():
+        if got is None and self._spent < config.autotune_budget():
             t0 = time.perf_counter()
             try:
                 got = _measure(conv)
