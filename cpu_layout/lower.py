@@ -259,10 +259,10 @@ class Lowering:
         x, shape, w, b, eps = n.args
         xv = self._val(x)
         used = {u.args[1] for u in n.users if u.target is operator.getitem}
+        params = {self._val(a).dtype for a in (w, b) if a is not None}  # x's, or fp32 under autocast
         if (xv.dtype not in _FLOAT or used - {0} or len(used) != len(n.users)
                 or not all(type(s) is int for s in shape) or not shape
-                or len({self._val(a).dtype for a in (w, b) if a is not None} - {xv.dtype, torch.float32}) > 0
-                or len({self._val(a).dtype for a in (w, b) if a is not None}) > 1):
+                or len(params) > 1 or params - {xv.dtype, torch.float32}):
             return self._aten(n, ir.EAGER)
         out_v = self._val(n)[0]
         if out_v.dtype != xv.dtype or not L.same_sizes(tuple(out_v.stride()),

@@ -263,13 +263,14 @@ class ViewCall:
     _RESHAPE = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
     def __init__(self, target, order):
-        self.target = torch.ops.aten.reshape.default if target in self._RESHAPE else target
+        self.reshape = target in self._RESHAPE  # the only view op that may copy
+        self.target = torch.ops.aten.reshape.default if self.reshape else target
         self.order = order if order in L.LABELS or isinstance(order, tuple) else None
 
     def __call__(self, x, *args):
         y = self.target(x, *args)
-        if y.numel() and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
-            _counted(y)  # reshape copied: memory order allowed no view
+        if self.reshape and y.numel() and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            _counted(y)  # memory order allowed no view
         return y if self.order is None else to_order(y, self.order)
 
 
@@ -291,11 +292,8 @@ class LayerNormCall:
             target, args, kwargs = self.aten
             return target(x, args[1], w, b, *args[4:], **kwargs)[0]
         out = torch.empty(x.shape, dtype=x.dtype)
-        if w is not None and not w.is_contiguous() or b is not None and not b.is_contiguous():
-            w = w.contiguous() if w is not None else None
-            b = b.contiguous() if b is not None else None
-        self.compiled.call_unchecked(k.sizes_of(tuple(x.shape)),
-                                     [x.contiguous()] + [t for t in (w, b) if t is not None] + [out], [])
+        dense = [t.contiguous() for t in (x, w, b) if t is not None]  # no-ops as planned
+        self.compiled.call_unchecked(k.sizes_of(tuple(x.shape)), dense + [out], [])
         return out
 
 

@@ -111,8 +111,17 @@ def _flat(v):
     return [v]
 
 
+def generated(nodes):
+    """The nodes that run as generated kernels, and their kernels."""
+    pairs = [(n, kernel_spec(n)) for n in nodes
+             if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm, ir.Aten))]
+    pairs = [(n, k) for n, k in pairs if k is not None]
+    return [n for n, _ in pairs], [k for _, k in pairs]
+
+
 def kernel_spec(n: ir.Node):
-    """The generated kernel that runs a Kernel or Reduction node."""
+    """The generated kernel that runs a Kernel, Reduction or LayerNorm node,
+    or a pool (None for an ATen op without one)."""
     from cpu_layout.codegen import expr as E
     from cpu_layout.codegen.cpp_kernels import LayerNormKernel, PointwiseKernel, ReductionKernel
 
@@ -149,9 +158,7 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
     node to what runs it. Returns (runners, library or None)."""
     from cpu_layout.codegen.cpp_kernels import compile_library
 
-    knodes = [n for n in g.nodes if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm))
-              or pool_kernel(n) is not None]
-    specs = [kernel_spec(n) for n in knodes]
+    knodes, specs = generated(g.nodes)
     compiled, library = compile_library(specs + list(extra_kernels), name_hint=f"graph_{len(g.nodes)}",
                                         extra_source=extra_source, extra_cdef=extra_cdef)
     runners: Dict[ir.Node, object] = {}

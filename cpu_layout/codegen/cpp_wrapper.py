@@ -231,30 +231,28 @@ class _SegmentEmitter:
         else:
             self.emit(f"  clw::H tmp_out = clw::empty_dense({nd}, {sz}, {cl}, {es});")
 
-    def convert_reads(self, n: ir.Node, last_conv: Dict[tuple, ir.Node]):
-        """Before node `n`, at segment scope: each input it reads in another
-        order (the wrappers' read rule), converted once per (buffer, order) and
-        shared with later readers; `release_reads` frees it after the last."""
-        from cpu_layout.codegen.wrapper import _required
-
-        for b in dict.fromkeys(n.inputs):
-            order = _required(n, b) if b in self.var else None
-            if order is None or (b, order) in self.converted:
+    def convert_reads(self, keys):
+        """Before a node, at segment scope: the inputs it reads in another order
+        (`keys`: (buffer, order) pairs from `wrapper.conversions`), each converted
+        once and shared with later readers; `release_reads` frees it after the last."""
+        for key in keys:
+            if key in self.converted:
                 continue
+            b, order = key
             tmp = f"r{len(self.converted)}_{b.name}"
-            self.converted[(b, order)] = tmp
+            self.converted[key] = tmp
             if isinstance(order, tuple):  # eager's own permutation of the dims
                 self.emit(f"const int {tmp}_p[] = {{{', '.join(map(str, order))}}};")
                 self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c);")
             else:
                 self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
 
-    def release_reads(self, n: ir.Node, last_conv: Dict[tuple, ir.Node]):
-        for key, tmp in self.converted.items():
-            if last_conv.get(key) is n:
-                self.emit(f"{tmp}_c.reset();")
+    def release_reads(self, keys, last_conv: Dict[tuple, ir.Node], n: ir.Node):
+        for key in dict.fromkeys(keys):
+            if last_conv[key] is n:
+                self.emit(f"{self.converted[key]}_c.reset();")
 
-    def read(self, n: ir.Node, b: ir.Buffer, tag: str) -> str:
+    def read(self, n: ir.Node, b: ir.Buffer) -> str:
         """A handle of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
         from cpu_layout.codegen.wrapper import _required
 
@@ -273,7 +271,7 @@ class _SegmentEmitter:
         k = n.weight.size[2:]
         e = self.emit
         self.begin(n)
-        x = self.read(n, n.x, n.out.name)
+        x = self.read(n, n.x)
         e(f"  const clw::H* xs = &{x}; clw::H xc; bool scl = {str(dst_cl).lower()};")
         e(f"  if (!clw::dense_in({x}, scl)) {{ if (clw::dense_in({x}, !scl)) scl = !scl; "
           f"else {{ xc = clw::copy_in_order({x}, scl); xs = &xc; }} }}")
@@ -302,7 +300,7 @@ class _SegmentEmitter:
         self.alloc(n.out, nsp + 2, "osz", donor)
         res_names = []
         for j, r in enumerate(residuals):
-            rv = self.read(n, r, f"{n.out.name}_res{j}")
+            rv = self.read(n, r)
             e(f"  clw::H res{j}_c; const clw::H& res{j} = clw::ordered({rv}, {str(dst_cl).lower()}, res{j}_c);")
             e(f"  if (clw::dim(res{j}) != {nsp + 2} || !std::equal(osz, osz + {nsp + 2}, clw::sizes(res{j})))")
             e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
@@ -368,7 +366,7 @@ class _SegmentEmitter:
         spec = self.kernels[n]
         e = self.emit
         self.begin(n)
-        x = self.read(n, n.x, n.out.name)
+        x = self.read(n, n.x)
         nd = n.x.rank
         e(f"  const int64_t* xs = clw::sizes({x});")
         e(f"  int64_t rc[2] = {{1, 1}}; for (int d = 0; d < {nd}; ++d) rc[d < {nd - n.n_norm} ? 0 : 1] *= xs[d];")
@@ -390,7 +388,7 @@ class _SegmentEmitter:
         e = self.emit
         self.begin(n)
         if t in VIEW_OPS:
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             self.aliased.add(a[0])
             perm = permutation_of(t, a, a[0].rank)
             if t in (aten.view.default, aten._unsafe_view.default):
@@ -412,7 +410,7 @@ class _SegmentEmitter:
                   f"if (&r == &c) {out} = std::move(c); }}")
         elif n in self.kernels:  # a pool on the generated channels-last kernel
             spec = self.kernels[n]
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             e(f"  const int64_t* xs = clw::sizes({x});")
             dims = [f"xs[{i}]" for i in range(4)]
             for d, (k, st, p, dl) in enumerate(zip(spec.kernel, spec.stride, spec.padding, spec.dilation)):
@@ -428,7 +426,7 @@ class _SegmentEmitter:
             e(f"  {spec.name}(sz, d, nullptr);")
             self.fresh.add(n.out)
         elif t is aten.max_pool2d.default:
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             k, st, pad = pool_window(a)
             dil = _pair(a[4] if len(a) > 4 else 1)
             ceil = int(bool(a[5])) if len(a) > 5 else 0
@@ -438,7 +436,7 @@ class _SegmentEmitter:
               f"{ceil}, &o, &idx), \"{n.name}: max_pool2d\");")
             e(f"  clw::H drop(idx); {out} = clw::H(o);")
         elif t is aten.avg_pool2d.default:
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             k, st, pad = pool_window(a)
             ceil = int(bool(a[4])) if len(a) > 4 else 0
             incl = int(bool(a[5])) if len(a) > 5 else 1
@@ -451,25 +449,25 @@ class _SegmentEmitter:
               f"{'&div' if div is not None else 'nullptr'}, &o), \"{n.name}: avg_pool2d\");")
             e(f"  {out} = clw::H(o);")
         elif t is aten.cat.default:
-            parts = [self.read(n, b, f"{n.out.name}_{i}") for i, b in enumerate(a[0])]
+            parts = [self.read(n, b) for b in a[0]]
             dim = a[1] if len(a) > 1 else 0
             e(f"  const AtenTensorHandle parts[] = {{{', '.join(p + '.get()' for p in parts)}}};")
             e("  AtenTensorHandle o;")
             e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
             e(f"  {out} = clw::H(o);")
         elif t is aten.as_strided.default:  # over eager's layout of its input (its read rule)
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             self.aliased.add(a[0])
             off = -1 if len(a) < 4 or a[3] is None else int(a[3])
             e(f"  const int64_t sz[] = {_arr(a[1])}, st[] = {_arr(a[2])};")
             e(f"  {out} = clw::as_strided({x}, {len(a[1])}, sz, st, {off});")
         elif t is aten.upsample_nearest2d.default:
             cl = _cl(n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS)
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             e(f"  {out} = clw::upsample_nearest2d({x}, {int(a[1][0])}, {int(a[1][1])}, {cl});")
             self.fresh.add(n.out)
         elif t in _INDEX_OPS:
-            x = self.read(n, a[0], n.out.name)
+            x = self.read(n, a[0])
             ptrs = []
             for j, i in enumerate(a[1]):
                 if i is None:
@@ -483,7 +481,7 @@ class _SegmentEmitter:
             e(f"  {out} = clw::H(o);")
         else:  # addmm / mm
             mm = t is aten.mm.default
-            names = [self.read(n, b, f"{n.out.name}_{i}") for i, b in enumerate(a[:2] if mm else a[:3])]
+            names = [self.read(n, b) for b in (a[:2] if mm else a[:3])]
             m1, m2 = (names[0], names[1]) if mm else (names[1], names[2])
             e(f"  const int64_t osz[] = {{clw::sizes({m1})[0], clw::sizes({m2})[1]}};")
             e(f"  {out} = clw::empty_dense(2, osz, false, {_ES[n.out.dtype]});")
@@ -557,16 +555,13 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
     members = seg.members
     outset = set(outs)
     pool: Dict[ir.Node, ir.Buffer] = {}
-    last_conv: Dict[tuple, ir.Node] = {}
-    from cpu_layout.codegen.wrapper import _required
-    for m in members:
-        for b in m.inputs:
-            order = _required(m, b)
-            if order is not None:
-                last_conv[(b, order)] = m
+    from cpu_layout.codegen.wrapper import _required, conversions
+
+    reads, last_conv = conversions(members, _required)
     for i, m in enumerate(members):
         donor = pool.pop(m, None)
-        em.convert_reads(m, last_conv)
+        keys = list(reads.get(m, {}).values())
+        em.convert_reads(keys)
         if isinstance(m, ir.Conv):
             em.conv(m, donor)
         elif isinstance(m, ir.Kernel):
@@ -579,7 +574,7 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
             em.aten_op(m)
         if debug and m.out.layout in L.LABELS:
             em.emit(f"clw::check_order(t_{m.out.name}, {_cl(m.out.layout)}, \"{m.out.name}\");")
-        em.release_reads(m, last_conv)
+        em.release_reads(keys, last_conv, m)
         # Free what died here; a same-size buffer the next allocation can take is lent to it.
         dying = [b for b in dict.fromkeys(m.inputs) if last_use.get(b) is m and b in em.var
                  and b not in outset and b not in consts]
@@ -728,9 +723,7 @@ def build(g: ir.Graph, debug: bool = False):
     # Emit segment C++ and compile it with every kernel of the graph.
     kernels = {}
     for _gi, grp, *_ in seg_specs:
-        for m in grp:
-            if isinstance(m, (ir.Kernel, ir.Reduction, ir.LayerNorm)) or schedule.pool_kernel(m) is not None:
-                kernels[m] = schedule.kernel_spec(m)
+        kernels.update(zip(*schedule.generated(grp)))
     sources, cdefs, segs = [], [], []
     for k, (gi, grp, acts, consts, outs, scalars) in enumerate(seg_specs):
         pack = g.new_buffer("pack")

@@ -83,6 +83,24 @@ def _required(node: ir.Node, b: ir.Buffer):
     return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
 
 
+def conversions(nodes, wanted):
+    """The conversions both wrappers make: one per (buffer, order), shared by
+    every node that reads it so (as the plan counts them) and dropped after
+    the last of them. `wanted(node, buffer)`: the order to convert to, or None.
+    Returns ({node: {buffer: (buffer, order)}}, {(buffer, order): last reader})."""
+    reads: Dict[ir.Node, Dict[ir.Buffer, tuple]] = {}
+    last: Dict[tuple, ir.Node] = {}
+    for n in nodes:
+        if isinstance(n, ir.Input):
+            continue
+        for b in n.inputs:
+            order = wanted(n, b)
+            if order is not None:
+                reads.setdefault(n, {})[b] = (b, order)
+                last[(b, order)] = n
+    return reads, last
+
+
 def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
     """Whether `b` as planned already satisfies `order` (size-1 dims ignored)."""
     if b.layout == ir.EAGER or b.layout is None:
@@ -146,18 +164,11 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
     if inputs:
         em.emit(", ".join(n.out.name for n in inputs) + ", = args")
         em.emit("args.clear()")  # the boxed convention: we own the inputs now
-    # Conversions: one per (buffer, order), shared by every node that reads
-    # it so (as the plan counts them), dropped after the last of them.
-    reads: Dict[ir.Node, Dict[ir.Buffer, tuple]] = {}
-    last_conv: Dict[tuple, ir.Node] = {}
-    for n in g.nodes:
-        if isinstance(n, ir.Input):
-            continue
-        for b in n.inputs:
-            order = None if raw_outputs and isinstance(n, ir.Output) else _required(n, b)
-            if order is not None and not _planned_strides_match(b, order):
-                reads.setdefault(n, {})[b] = (b, order)
-                last_conv[(b, order)] = n
+    def wanted(n, b):
+        order = None if raw_outputs and isinstance(n, ir.Output) else _required(n, b)
+        return order if order is not None and not _planned_strides_match(b, order) else None
+
+    reads, last_conv = conversions(g.nodes, wanted)
     converted: Dict[tuple, str] = {}
     for n in g.nodes:
         if isinstance(n, ir.Input):

@@ -216,5 +216,5 @@ def default_cost_model() -> CostModel:
     if _DEFAULT is None:
         from cpu_layout.plan.measure import MeasuredCostModel
 
-        _DEFAULT = MeasuredCostModel(CostModel.load())
+        _DEFAULT = MeasuredCostModel.load()
     return _DEFAULT

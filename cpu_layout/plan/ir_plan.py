@@ -103,6 +103,4 @@ def planner_choice(g: ir.Graph, kernels: bool = True) -> Callable[[ir.Node], str
     def choose(node: ir.Node) -> str:
         return labels.get(node.out.name)
 
-    choose.plan = p
-
     return choose

@@ -33,9 +33,8 @@ _LOCK = threading.Lock()
 class MeasuredCostModel(CostModel):
     """`CostModel` whose conv costs are measured (see the module docstring)."""
 
-    def __init__(self, base: CostModel):
-        super().__init__(base.table)
-        self.base = base
+    def __init__(self, table: Optional[dict] = None):
+        super().__init__(table)
         self._disk: Optional[Dict[str, list]] = None
         self._new: Dict[str, list] = {}
         self._spent = 0.0
@@ -70,7 +69,7 @@ class MeasuredCostModel(CostModel):
     def conv_cost(self, conv) -> ConvCost:
         key = self._key(conv) if config.autotune() else None
         if key is None:
-            return self.base.conv_cost(conv)
+            return super().conv_cost(conv)
         got = self._new.get(key) or self._load().get(key)
         if got is None and self._spent < config.autotune_budget():
             t0 = time.perf_counter()
@@ -82,7 +81,7 @@ class MeasuredCostModel(CostModel):
             if got is not None:
                 self._new[key] = got
         if got is None:
-            return self.base.conv_cost(conv)
+            return super().conv_cost(conv)
         return ConvCost(got[0], got[1], "measured on this machine")
 
     def save(self) -> None:
