@@ -453,6 +453,12 @@ def _quiet_fd2():
 def peak_memory(fn: Callable, x) -> int:
     """Peak bytes allocated (and not yet freed) through c10's CPU allocator during one
     call fn(x), measured from the profiler's memory events (see the module docstring)."""
+    return allocations(fn, x)[0]
+
+
+def allocations(fn: Callable, x):
+    """(peak bytes, bytes still held after, number of allocations) through c10's CPU
+    allocator during one call fn(x), its result dropped (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
     with warnings.catch_warnings(), _quiet_fd2():
@@ -462,11 +468,12 @@ def peak_memory(fn: Callable, x) -> int:
             del out
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
+    cur = peak = count = 0
     for e in events:
         cur += e.nbytes()
         peak = max(peak, cur)
-    return peak
+        count += e.nbytes() > 0
+    return peak, cur, count
 
 
 # --------------------------------------------------------------------------

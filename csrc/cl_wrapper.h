@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <algorithm>
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -152,21 +153,6 @@ static inline H empty_dense(int nd, const int64_t* sz, bool cl, int es) {
   return empty(nd, sz, st, es);
 }
 
-// A new tensor over the storage of `dead` (planned reuse: same dtype, at least as many bytes).
-// Falls back to a fresh allocation when the run-time sizes say it does not fit.
-static inline H reuse(H&& dead, int nd, const int64_t* sz, bool cl, int es) {
-  int64_t st[16], n = 1;
-  dense_strides(nd, sz, cl, st);
-  for (int i = 0; i < nd; ++i) n *= sz[i];
-  int64_t off = -1;
-  if (dead) shim(aoti_torch_get_storage_offset(dead.get(), &off), "storage_offset");
-  if (off != 0 || numel(dead) < n) { dead.reset(); return empty(nd, sz, st, es); }
-  AtenTensorHandle h;
-  shim(aoti_torch__reinterpret_tensor(dead.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
-  dead.reset();
-  return H(h);
-}
-
 // A non-owning tensor over memory Python keeps alive (module constants).
 static inline H blob(uintptr_t p, int nd, const int64_t* sz, const int64_t* st, int es) {
   AtenTensorHandle h;
@@ -192,6 +178,94 @@ static inline int elsize(const H& t) {
   fail("segment tensor is not float32, bfloat16 or int64");
 }
 
+// Storage a segment keeps from one call to the next. A fresh allocation
+// costs page faults on every touched page of a large buffer (glibc maps and
+// unmaps big blocks on each malloc/free): resnet50's 3 MB outputs ran at
+// half speed. So a buffer that dies inside the segment, owned by no other
+// handle (codegen guarantees it: never an output, never viewed), goes back
+// here, and the next allocation of the same element size that fits (at least
+// as many bytes, at most twice) takes it: reuse within the call, as the plan
+// lends dead buffers, and across calls. Blocks idle for a whole call are
+// freed, so what is held is what the last call used.
+class Pool {
+ public:
+  H take(int nd, const int64_t* sz, bool cl, int es) {
+    int64_t st[16];
+    dense_strides(nd, sz, cl, st);
+    return take(nd, sz, st, es);
+  }
+  // `st`: dense strides in some order.
+  H take(int nd, const int64_t* sz, const int64_t* st, int es) {
+    int64_t n = 1;
+    for (int i = 0; i < nd; ++i) n *= sz[i];
+    Block* best = nullptr;
+    std::vector<Block>* from = nullptr;
+    for (std::vector<Block>* v : {&warm_, &cold_}) {
+      for (auto it = v->rbegin(); it != v->rend(); ++it)  // latest first: still in cache
+        if (it->es == es && it->n >= n && it->n <= 2 * n && (!best || it->n < best->n)) {
+          best = &*it;
+          from = v;
+        }
+      if (best) break;
+    }
+    if (!best || n == 0) return empty(nd, sz, st, es);
+    H block = std::move(best->t);
+    from->erase(from->begin() + (best - from->data()));
+    AtenTensorHandle h;
+    shim(aoti_torch__reinterpret_tensor(block.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
+    return H(h);
+  }
+  void give(H&& t) {
+    if (!t) return;
+    int64_t off = -1;
+    shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
+    if (off != 0) { t.reset(); return; }
+    const int es = elsize(t);
+    const int64_t n = numel(t);
+    warm_.push_back(Block{std::move(t), es, n});
+  }
+  // Call ends: what no allocation took in this call is freed.
+  void end_call() {
+    cold_.clear();
+    std::swap(cold_, warm_);
+  }
+
+ private:
+  struct Block { H t; int es; int64_t n; };
+  std::vector<Block> warm_, cold_;  // released in this call / left from the last one
+};
+
+// `t` re-viewed as a dense tensor of sizes `sz` in the given order, taking
+// over its storage (t is left empty), when it already is exactly that;
+// otherwise an empty handle and `t` untouched.
+static inline H take_over(H& t, int nd, const int64_t* sz, bool cl) {
+  if (!t || dim(t) != nd || !std::equal(sz, sz + nd, sizes(t)) || !dense_in(t, cl)) return H();
+  int64_t off = -1;
+  shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
+  if (off != 0) return H();
+  int64_t st[16];
+  dense_strides(nd, sz, cl, st);
+  AtenTensorHandle h;
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
+  t.reset();
+  return H(h);
+}
+
+// One pool per segment, taken for the length of a call. A second thread
+// running the segment at the same time finds the slot empty and works with a
+// pool of its own; whichever returns last keeps its pool.
+struct PoolSlot { std::atomic<Pool*> p{nullptr}; };  // never freed at exit: torch may be gone
+class PoolLease {
+ public:
+  explicit PoolLease(PoolSlot& s) : slot_(s), pool_(s.p.exchange(nullptr)) { if (!pool_) pool_ = new Pool; }
+  ~PoolLease() { pool_->end_call(); delete slot_.p.exchange(pool_); }
+  Pool* get() { return pool_; }
+  Pool* operator->() { return pool_; }
+ private:
+  PoolSlot& slot_;
+  Pool* pool_;
+};
+
 // A tensor handed to a segment has the dtype, rank and static sizes it was
 // compiled for (-1: a symbolic size): generated code trusts them after this.
 static inline void expect(const H& t, int es, int nd, const int64_t* want, const char* name) {
@@ -205,25 +279,26 @@ static inline void expect(const H& t, int es, int nd, const int64_t* want, const
            ", compiled for " + std::to_string(want[i]));
 }
 
-// A copy of `t` dense in the given order (layout.to_order's conversion), by ATen's copy_.
-static inline H copy_in_order(const H& t, bool cl) {
-  H out = empty_dense((int)dim(t), sizes(t), cl, elsize(t));
+// A copy of `t` dense in the given order (layout.to_order's conversion), by
+// ATen's copy_, on `pool`'s storage when given one.
+static inline H copy_in_order(const H& t, bool cl, Pool* pool = nullptr) {
+  H out = pool ? pool->take((int)dim(t), sizes(t), cl, elsize(t)) : empty_dense((int)dim(t), sizes(t), cl, elsize(t));
   shim(aoti_torch_copy_(out.get(), t.get(), 0), "copy_");
   return out;
 }
 // `t` itself when it is dense in the order, else a copy held by `tmp`.
-static inline const H& ordered(const H& t, bool cl, H& tmp) {
+static inline const H& ordered(const H& t, bool cl, H& tmp, Pool* pool = nullptr) {
   if (dense_in(t, cl)) return t;
-  tmp = copy_in_order(t, cl);
+  tmp = copy_in_order(t, cl, pool);
   return tmp;
 }
 // The same for an explicit stride order (eager's own permutation of the dims).
-static inline const H& ordered_perm(const H& t, const int* perm, H& tmp) {
+static inline const H& ordered_perm(const H& t, const int* perm, H& tmp, Pool* pool = nullptr) {
   const int nd = (int)dim(t);
   if (dense_in_perm(nd, sizes(t), strides(t), perm)) return t;
   int64_t st[16];
   perm_strides(nd, sizes(t), perm, st);
-  tmp = empty(nd, sizes(t), st, elsize(t));
+  tmp = pool ? pool->take(nd, sizes(t), st, elsize(t)) : empty(nd, sizes(t), st, elsize(t));
   shim(aoti_torch_copy_(tmp.get(), t.get(), 0), "copy_");
   return tmp;
 }

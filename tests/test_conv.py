@@ -159,8 +159,11 @@ def test_add_before_and_after_activation():
     x, wt, b, kw = make("3x3", torch.float32)
     r1 = torch.randn(F.conv2d(x, wt, b, **kw).shape)
     r2 = torch.randn_like(r1)
+    before = (r1.clone(), r2.clone())
+    # The first add runs as oneDNN's sum post-op (r1 copied into the output), the second as a binary one.
     y = ops.conv2d(x, wt, b, post_ops=["silu", ("add", r1), ("add", r2)], **kw)
     assert_fp32_close(y, F.silu(F.conv2d(x, wt, b, **kw)) + r1 + r2)
+    assert torch.equal(r1, before[0]) and torch.equal(r2, before[1])
 
 
 def test_non_dense_input_and_weight():

@@ -16,10 +16,11 @@ After planning and fusion the graph is rewritten into three parts:
   A graph whose ops are all supported is one segment: one foreign call per
   forward, plus the prologue's key check.
 
-Inside a segment every buffer is freed after its last consumer ran, and a
-buffer dying just before an allocation of the same dtype and byte size
-(equal symbolic expressions) lends its storage to it, so peak memory is the
-schedule's, never more than the default wrapper's. Sizes are computed at run
+Inside a segment every buffer is released after its last consumer ran.
+Buffers the segment allocated and nothing else refers to (not an output,
+not viewed) go back to the segment's pool (`clw::Pool`), and later
+allocations that fit take them, in this call and the next: no page faults
+for fresh memory on each forward, peak memory the schedule's. Sizes are computed at run
 time: convs, kernels and reductions from their inputs' sizes, views from the
 symbolic sizes (codegen.sizes), so a new batch size runs without recompiling.
 """
@@ -197,13 +198,17 @@ def _arr(xs) -> str:
 class _SegmentEmitter:
     """C++ statements of one segment; `var` names each buffer's handle."""
 
-    def __init__(self, kernels: Dict[ir.Node, object], consts: List[ir.Buffer]):
+    def __init__(self, kernels: Dict[ir.Node, object], consts: List[ir.Buffer], outs: List[ir.Buffer],
+                 last_use: Dict[ir.Buffer, ir.Node]):
         self.kernels = kernels
         self.consts = consts
+        self.last_use = last_use
+        self.outs = set(outs)  # handed to the caller: fresh storage, never the pool's
         self.lines: List[str] = []
         self.var: Dict[ir.Buffer, str] = {}
-        self.fresh = set()   # buffers this segment allocated (may lend their storage)
-        self.aliased = set()  # buffers some view aliases (never lent)
+        self.fresh = set()   # buffers this segment allocated (may go back to its pool)
+        self.aliased = set()  # buffers some view aliases (never pooled)
+        self.aliased_reads = set()  # conversions some view aliases (never pooled)
         self.converted: Dict[tuple, str] = {}  # (buffer, order) -> handle in that order
 
     def emit(self, s: str):
@@ -222,14 +227,14 @@ class _SegmentEmitter:
         self.var[n.out] = f"t_{n.out.name}"
         self.emit("}")
 
-    def alloc(self, out: ir.Buffer, nd: int, sz: str, donor: Optional[ir.Buffer]):
-        """`tmp_out`: the output in its planned layout, on a dead buffer's storage when lent one."""
+    def alloc(self, out: ir.Buffer, nd: int, sz: str, var: str = "clw::H tmp_out", cl=None):
+        """`var` = the output, dense in its planned layout (or `cl`), on pooled storage when some fits."""
         self.fresh.add(out)
-        es, cl = _ES[out.dtype], _cl(out.layout)
-        if donor is not None:
-            self.emit(f"  clw::H tmp_out = clw::reuse(std::move({self.v(donor)}), {nd}, {sz}, {cl}, {es});")
+        cl = _cl(out.layout) if cl is None else cl
+        if out in self.outs:
+            self.emit(f"  {var} = clw::empty_dense({nd}, {sz}, {cl}, {_ES[out.dtype]});")
         else:
-            self.emit(f"  clw::H tmp_out = clw::empty_dense({nd}, {sz}, {cl}, {es});")
+            self.emit(f"  {var} = clw_pool->take({nd}, {sz}, {cl}, {_ES[out.dtype]});")
 
     def convert_reads(self, keys):
         """Before a node, at segment scope: the inputs it reads in another order
@@ -243,14 +248,17 @@ class _SegmentEmitter:
             self.converted[key] = tmp
             if isinstance(order, tuple):  # eager's own permutation of the dims
                 self.emit(f"const int {tmp}_p[] = {{{', '.join(map(str, order))}}};")
-                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c);")
+                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c, clw_pool.get());")
             else:
-                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c);")
+                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c, clw_pool.get());")
 
     def release_reads(self, keys, last_conv: Dict[tuple, ir.Node], n: ir.Node):
         for key in dict.fromkeys(keys):
             if last_conv[key] is n:
-                self.emit(f"{self.converted[key]}_c.reset();")
+                if key in self.aliased_reads:
+                    self.emit(f"{self.converted[key]}_c.reset();")
+                else:
+                    self.emit(f"clw_pool->give(std::move({self.converted[key]}_c));")
 
     def read(self, n: ir.Node, b: ir.Buffer) -> str:
         """A handle of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
@@ -259,8 +267,18 @@ class _SegmentEmitter:
         order = _required(n, b)
         return self.v(b) if order is None else self.converted[(b, order)]
 
+    def read_aliased(self, n: ir.Node, b: ir.Buffer) -> str:
+        """`read` for a node whose output aliases the handle read: neither storage is pooled."""
+        from cpu_layout.codegen.wrapper import _required
+
+        self.aliased.add(b)
+        order = _required(n, b)
+        if order is not None:
+            self.aliased_reads.add((b, order))
+        return self.read(n, b)
+
     # each returns the C++ statements (inside braces) for one node
-    def conv(self, n: ir.Conv, donor):
+    def conv(self, n: ir.Conv):
         nsp = n.x.rank - 2
         dst_cl = n.out.layout == L.CHANNELS_LAST
         wi = self.const_index(n.weight)
@@ -297,11 +315,22 @@ class _SegmentEmitter:
               f"a.post_ops[{i}].beta = {float_literal(beta)};")
         dims = ", ".join(["a.n", "a.oc"] + [f"a.out_sp[{i}]" for i in range(nsp)])
         e(f"  const int64_t osz[] = {{{dims}}};")
-        self.alloc(n.out, nsp + 2, "osz", donor)
+        inplace = self.inplace_residual(n, residuals)
+        if inplace is not None:
+            # The output takes over the dying residual's storage: oneDNN's sum post-op adds in place.
+            e(f"  clw::H tmp_out = clw::take_over({self.v(inplace)}, {nsp + 2}, osz, {str(dst_cl).lower()});")
+            e("  const bool inplace = static_cast<bool>(tmp_out);")
+            e(f"  if (!inplace) tmp_out = clw_pool->take({nsp + 2}, osz, {str(dst_cl).lower()}, {_ES[n.out.dtype]});")
+            self.fresh.add(n.out)
+        else:
+            self.alloc(n.out, nsp + 2, "osz")
         res_names = []
         for j, r in enumerate(residuals):
             rv = self.read(n, r)
-            e(f"  clw::H res{j}_c; const clw::H& res{j} = clw::ordered({rv}, {str(dst_cl).lower()}, res{j}_c);")
+            conv_r = f"clw::ordered({rv}, {str(dst_cl).lower()}, res{j}_c)"
+            if j == 0 and inplace is not None:
+                conv_r = f"(inplace ? tmp_out : {conv_r})"
+            e(f"  clw::H res{j}_c; const clw::H& res{j} = {conv_r};")
             e(f"  if (clw::dim(res{j}) != {nsp + 2} || !std::equal(osz, osz + {nsp + 2}, clw::sizes(res{j})))")
             e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
             res_names.append(f"clw::addr(res{j})")
@@ -315,7 +344,20 @@ class _SegmentEmitter:
         e(f"  t_{n.out.name} = std::move(tmp_out);")
         self.end(n)
 
-    def kernel(self, n: ir.Kernel, donor):
+    def inplace_residual(self, n: ir.Conv, residuals: List[ir.Buffer]) -> Optional[ir.Buffer]:
+        """The first residual when the conv's output may take over its storage: the
+        segment allocated it, nothing else refers to it, and it dies at this conv."""
+        from cpu_layout.codegen.wrapper import _required
+
+        if not residuals:
+            return None
+        r = residuals[0]
+        ok = (r in self.fresh and r not in self.aliased and r not in self.outs and n.out not in self.outs
+              and self.last_use.get(r) is n and r is not n.x and residuals.count(r) == 1
+              and r.dtype == n.out.dtype and _required(n, r) in (None, r.layout))  # no copy planned
+        return r if ok else None
+
+    def kernel(self, n: ir.Kernel):
         spec = self.kernels[n]
         nd, ni = n.out.rank, len(n.inputs)
         e = self.emit
@@ -323,7 +365,7 @@ class _SegmentEmitter:
         ins = [self.v(b) for b in n.inputs]
         e(f"  const clw::H* ins[] = {{{', '.join('&' + i for i in ins)}}};")
         e(f"  int64_t sz[{max(nd, 1)}]; clw::broadcast_sizes(ins, {ni}, {nd}, sz);")
-        self.alloc(n.out, nd, "sz", donor)
+        self.alloc(n.out, nd, "sz")
         e(f"  int64_t st[{max((ni + 1) * nd, 1)}];")
         for i, name in enumerate(ins):
             e(f"  clw::broadcast_strides({name}, {nd}, sz, st + {i * nd});")
@@ -334,7 +376,7 @@ class _SegmentEmitter:
         e(f"  t_{n.out.name} = std::move(tmp_out);")
         self.end(n)
 
-    def reduction(self, n: ir.Reduction, donor):
+    def reduction(self, n: ir.Reduction):
         spec = self.kernels[n]
         x = n.inputs[0]
         nd, ond = x.rank, n.out.rank
@@ -347,7 +389,7 @@ class _SegmentEmitter:
             e(f"  if ({cond}) clw::fail(\"{n.name}: {n.kind} over an empty dimension has no identity\");")
         osz = [("1" if d in n.dims else f"xs[{d}]") for d in range(nd) if n.keepdim or d not in n.dims]
         e(f"  const int64_t osz[] = {{{', '.join(osz) or '1'}}};")
-        self.alloc(n.out, ond, "osz", donor)
+        self.alloc(n.out, ond, "osz")
         e(f"  int64_t st[{2 * nd}]; const int64_t* xst = clw::strides({xv});")
         e(f"  const int64_t* os = clw::strides(tmp_out);")
         e(f"  for (int d = 0; d < {nd}; ++d) {{ st[d] = xst[d]; st[{nd} + d] = 0; }}")
@@ -370,7 +412,8 @@ class _SegmentEmitter:
         nd = n.x.rank
         e(f"  const int64_t* xs = clw::sizes({x});")
         e(f"  int64_t rc[2] = {{1, 1}}; for (int d = 0; d < {nd}; ++d) rc[d < {nd - n.n_norm} ? 0 : 1] *= xs[d];")
-        e(f"  {{ clw::H tmp_out = clw::empty_dense({nd}, xs, false, {_ES[n.out.dtype]});")
+        e("  {")
+        self.alloc(n.out, nd, "xs", cl="false")
         params = [self.v(b) for b in (n.weight, n.bias) if b is not None]
         for b, p in zip([b for b in (n.weight, n.bias) if b is not None], params):
             e(f"  if (clw::numel({p}) != rc[1] || !clw::dense_in({p}, false)) "
@@ -379,7 +422,6 @@ class _SegmentEmitter:
         e(f"  void* const d[] = {{{', '.join(data)}}};")
         e(f"  if (rc[0] * rc[1] > 0) {spec.name}(rc, d, nullptr);")
         e(f"  t_{n.out.name} = std::move(tmp_out); }}")
-        self.fresh.add(n.out)
         self.end(n)
 
     def aten_op(self, n: ir.Aten):
@@ -388,8 +430,7 @@ class _SegmentEmitter:
         e = self.emit
         self.begin(n)
         if t in VIEW_OPS:
-            x = self.read(n, a[0])
-            self.aliased.add(a[0])
+            x = self.read_aliased(n, a[0])
             perm = permutation_of(t, a, a[0].rank)
             if t in (aten.view.default, aten._unsafe_view.default):
                 dims = ", ".join(S.cexpr(s) for s in n.out.size)
@@ -421,10 +462,9 @@ class _SegmentEmitter:
                 dims.append(f"o{d}")
             e(f"  const int64_t sz[] = {{{', '.join(dims)}}};")
             e(f"  const int64_t osz[] = {{xs[0], xs[1], o0, o1}};")
-            e(f"  {out} = clw::empty_dense(4, osz, true, {_ES[n.out.dtype]});")
+            self.alloc(n.out, 4, "osz", out, cl="true")
             e(f"  void* const d[] = {{clw::data({x}), clw::data({out})}};")
             e(f"  {spec.name}(sz, d, nullptr);")
-            self.fresh.add(n.out)
         elif t is aten.max_pool2d.default:
             x = self.read(n, a[0])
             k, st, pad = pool_window(a)
@@ -456,8 +496,7 @@ class _SegmentEmitter:
             e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
             e(f"  {out} = clw::H(o);")
         elif t is aten.as_strided.default:  # over eager's layout of its input (its read rule)
-            x = self.read(n, a[0])
-            self.aliased.add(a[0])
+            x = self.read_aliased(n, a[0])
             off = -1 if len(a) < 4 or a[3] is None else int(a[3])
             e(f"  const int64_t sz[] = {_arr(a[1])}, st[] = {_arr(a[2])};")
             e(f"  {out} = clw::as_strided({x}, {len(a[1])}, sz, st, {off});")
@@ -484,8 +523,7 @@ class _SegmentEmitter:
             names = [self.read(n, b) for b in (a[:2] if mm else a[:3])]
             m1, m2 = (names[0], names[1]) if mm else (names[1], names[2])
             e(f"  const int64_t osz[] = {{clw::sizes({m1})[0], clw::sizes({m2})[1]}};")
-            e(f"  {out} = clw::empty_dense(2, osz, false, {_ES[n.out.dtype]});")
-            self.fresh.add(n.out)
+            self.alloc(n.out, 2, "osz", out, cl="false")
             if mm:
                 e(f"  clw::shim(aoti_torch_cpu_mm_out({out}.get(), {m1}.get(), {m2}.get()), \"{n.name}: mm\");")
             else:
@@ -503,24 +541,13 @@ class _SegmentEmitter:
 
 
 
-def _nbytes_key(b: ir.Buffer):
-    n = S.to_sympy(1)
-    for s in b.size:
-        n = n * S.to_sympy(s)
-    return (b.dtype, n)
-
-
-def _allocates(n: ir.Node) -> bool:
-    return isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction))
-
-
 _SIGNATURE = ("const uintptr_t* in, const int64_t* consts, const int64_t* scalars, uintptr_t* out, "
               "char* err, int errlen")
 
 
 def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[ir.Buffer],
                   sym_src, last_use: Dict[ir.Buffer, ir.Node], debug: bool) -> str:
-    em = _SegmentEmitter(kernels, consts)
+    em = _SegmentEmitter(kernels, consts, outs, last_use)
     acts = seg.inputs[:seg.n_activations]
     em.emit(f"clw::H t_in[{max(len(acts), 1)}];")
     em.emit(f"for (int i = 0; i < {len(acts)}; ++i) t_in[i] = clw::H((AtenTensorHandle)in[i]);")
@@ -554,20 +581,18 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
             em.emit(f"const int64_t {sym.name} = clw::sizes({em.v(src)})[{dim}];")
     members = seg.members
     outset = set(outs)
-    pool: Dict[ir.Node, ir.Buffer] = {}
     from cpu_layout.codegen.wrapper import _required, conversions
 
     reads, last_conv = conversions(members, _required)
-    for i, m in enumerate(members):
-        donor = pool.pop(m, None)
+    for m in members:
         keys = list(reads.get(m, {}).values())
         em.convert_reads(keys)
         if isinstance(m, ir.Conv):
-            em.conv(m, donor)
+            em.conv(m)
         elif isinstance(m, ir.Kernel):
-            em.kernel(m, donor)
+            em.kernel(m)
         elif isinstance(m, ir.Reduction):
-            em.reduction(m, donor)
+            em.reduction(m)
         elif isinstance(m, ir.LayerNorm):
             em.layer_norm(m)
         else:
@@ -575,26 +600,20 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
         if debug and m.out.layout in L.LABELS:
             em.emit(f"clw::check_order(t_{m.out.name}, {_cl(m.out.layout)}, \"{m.out.name}\");")
         em.release_reads(keys, last_conv, m)
-        # Free what died here; a same-size buffer the next allocation can take is lent to it.
-        dying = [b for b in dict.fromkeys(m.inputs) if last_use.get(b) is m and b in em.var
-                 and b not in outset and b not in consts]
-        nxt = members[i + 1] if i + 1 < len(members) else None
-        lend = None
-        if nxt is not None and _allocates(nxt) and _float_tensor(nxt.out):
-            want = _nbytes_key(nxt.out)
-            lend = next((b for b in dying if b in em.fresh and b not in em.aliased
-                         and _nbytes_key(b) == want), None)
-        if lend is not None:
-            pool[nxt] = lend
-        for b in dying:
-            if b is not lend:
-                em.emit(f"{em.v(b)}.reset();")
+        # Release what died here: to the pool when the segment allocated it and nothing else refers to it.
+        for b in dict.fromkeys(m.inputs):
+            if last_use.get(b) is m and b in em.var and b not in outset and b not in consts:
+                if b in em.fresh and b not in em.aliased and _float_tensor(b):
+                    em.emit(f"clw_pool->give(std::move({em.v(b)}));")
+                else:
+                    em.emit(f"{em.v(b)}.reset();")
     for j, b in enumerate(outs):
         em.emit(f"out[{j}] = (uintptr_t){em.v(b)}.release();")
     return (
+        f"static clw::PoolSlot {seg.name}_pool;\n"
+        f'extern "C" void {seg.name}_release(void) {{ delete {seg.name}_pool.p.exchange(nullptr); }}\n'
         f'extern "C" int {seg.name}({_SIGNATURE}) {{\n'
-
-        f"  try {{\n" + "\n".join(em.lines) + "\n"
+        f"  try {{\n    clw::PoolLease clw_pool({seg.name}_pool);\n" + "\n".join(em.lines) + "\n"
         f"  }} catch (const std::exception& e) {{\n    return clw::report(e, err, errlen);\n  }}\n"
         f"  (void)consts; (void)scalars;\n  return 0;\n}}\n"
     )
@@ -735,7 +754,7 @@ def build(g: ir.Graph, debug: bool = False):
         seg.pack = pack
         segs.append((gi, seg))
         sources.append(_emit_segment(seg, kernels, outs, consts, sym_src, last_use, debug))
-        cdefs.append(f"int {seg.name}({_SIGNATURE});")
+        cdefs.append(f"int {seg.name}({_SIGNATURE});\nvoid {seg.name}_release(void);")
     # The kernels come first in the file and keep -O3; what follows is glue
     # (shape arithmetic, handle bookkeeping) that -O1 compiles in a third of
     # the time with no measurable run-time cost.
