@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -104,6 +105,38 @@ def _key(t: Optional[torch.Tensor]):
     return None if t is None else (t.data_ptr(), ops.content_version(t), t.dtype)
 
 
+class StateKey:
+    """Whether the module-state tensors of a call are what they were when last
+    remembered: same storage address, content version and dtype, and the same
+    epoch (ops.refresh). Checked on every forward against hundreds of
+    parameters, so the check allocates nothing: building a key tuple per
+    parameter per call kept Python's garbage collector busy (5% of
+    mobilenet_v3's forward). Arguments that are not tensors are not compared
+    (they are constants of the graph)."""
+
+    __slots__ = ("epoch", "seen")
+
+    def __init__(self):
+        self.epoch = None
+        self.seen = None
+
+    def same(self, values) -> bool:
+        seen = self.seen
+        if seen is None or self.epoch != ops.state_epoch() or len(values) != len(seen):
+            return False
+        for v, k in zip(values, seen):
+            if k is None:
+                continue
+            if (v.data_ptr() != k[0] or v.dtype is not k[2]
+                    or (ops.INFERENCE_VERSION if v.is_inference() else v._version) != k[1]):
+                return False
+        return True
+
+    def remember(self, values) -> None:
+        self.epoch = ops.state_epoch()
+        self.seen = [_key(v) if isinstance(v, torch.Tensor) else None for v in values]
+
+
 def _bn_inv_std(w, var, eps):
     inv = torch.rsqrt(var.float() + eps)
     return inv * w.float() if w is not None else inv
@@ -153,15 +186,14 @@ class Memoized:
 
     def __init__(self, fn):
         self.fn = fn
-        self.key = None
+        self.key = StateKey()
         self.value = None
 
     def __call__(self, *args, **kwargs):
-        key = (ops.state_epoch(),) + tuple(_key(a) if isinstance(a, torch.Tensor) else None for a in args)
-        key += tuple(_key(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
-        if key != self.key or self.value is None:
+        state = args + tuple(kwargs.values()) if kwargs else args
+        if self.value is None or not self.key.same(state):
             self.value = self.fn(*args, **kwargs)
-            self.key = key
+            self.key.remember(state)
         return self.value
 
 
@@ -341,12 +373,11 @@ class ConstantPrologue:
         self.fn = fn
         self.packs = packs              # per segment: [(export index, is conv weight, size, strides)]
         self.ffi = ffi
-        self.key = None
+        self.key = StateKey()
         self.value = None
 
     def __call__(self, *params):
-        key = (ops.state_epoch(),) + tuple(_key(p) if isinstance(p, torch.Tensor) else p for p in params)
-        if key == self.key and self.value is not None:
+        if self.value is not None and self.key.same(params):
             return self.value
         vals = tuple(self.fn(list(params)))
         packs = []
@@ -361,7 +392,7 @@ class ConstantPrologue:
                 flat += [t.data_ptr(), ops._weight_serial(t) if is_weight else 0, ops.content_version(t)]
             packs.append(self.ffi.new("int64_t[]", flat or [0]))
         self.value = (*vals, *packs)
-        self.key = key
+        self.key.remember(params)
         return self.value
 
 
@@ -390,6 +421,8 @@ class SegmentCall:
         self.library = library  # library.path[:-3] + ".cpp" is the generated source
         self.fn = getattr(library.lib, self.name)
         self.ffi = library.ffi
+        # The segment keeps its buffers between calls (clw::Pool); they go when this call does.
+        weakref.finalize(self, getattr(library.lib, self.name + "_release"))
 
     def __call__(self, acts: list, pack, *scalars):
         ffi = self.ffi
