@@ -42,9 +42,10 @@ def _static_input_indices(n_inputs: int) -> List[int]:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     """Lower, fuse, plan and generate the wrapper for one inference graph."""
-    from cpu_layout import fuse, lower, schedule
+    from cpu_layout import fuse, lower, schedule, threads
     from cpu_layout.codegen import wrapper
 
+    threads.check_wait_policy()
     t0 = time.perf_counter()
     params = _static_input_indices(len(example_inputs))
     g = lower.lower(gm, params)

@@ -44,3 +44,5 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \
     echo "$HASH" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# shellcheck source=omp_env.sh
+source "$ROOT/scripts/omp_env.sh"

@@ -15,4 +15,6 @@ if [ ! -x "$PY" ]; then
     # shellcheck source=env.sh
     source "$HERE/env.sh" >&2
 fi
+# shellcheck source=omp_env.sh
+source "$HERE/omp_env.sh"
 exec "$PY" "$HERE/single_run.py" "$@"

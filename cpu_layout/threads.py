@@ -1,0 +1,112 @@
+"""OpenMP threads on a shared machine: the wait policy and a warning when it hurts.
+
+Generated kernels, oneDNN and ATen all run on torch's GNU OpenMP runtime
+(libgomp). By default its idle threads spin 300k iterations at each barrier
+before they sleep. On a core another process also uses, a spinning thread
+takes the time slice the thread it waits for needs. Measured with
+scripts/bench_load.py (Xeon, 2 cores, batch 8, 2 threads, one nice-0 process
+spinning on one core; latency loaded / idle, and idle latency against the
+default policy):
+
+    policy               mobilenet_v3  efficientnet_b0  resnet50   idle cost
+    default (spin 300k)      6.5x           7.4x          2.7x        -
+    GOMP_SPINCOUNT=1000      1.8x           1.9x          2.2x      0-8%
+    OMP_WAIT_POLICY=PASSIVE  1.6x           1.8x          2.0x      5-25%
+    (OpenVINO, its own)      1.8x           1.9x          2.1x
+
+libgomp reads these variables once, when it starts, so they cannot be changed
+from inside a process that has imported torch. The project's entry points
+(scripts/omp_env.sh, sourced by env.sh and single_run.sh) set
+GOMP_SPINCOUNT=1000 unless the user set a policy; the backend warns once per
+process when it finds long spinning on more threads than there are idle cores.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+# What libgomp takes as "threads sleep at once".
+_PASSIVE = "passive"
+
+
+# Spin counts up to this are short enough not to collapse on a shared core (table above).
+SHORT_SPIN = 10000
+
+
+def spinning() -> bool:
+    """Whether libgomp's idle threads spin long (its default, or ACTIVE) rather
+    than sleep at once (PASSIVE) or after a short spin (GOMP_SPINCOUNT <= SHORT_SPIN)."""
+    if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == _PASSIVE:
+        return False
+    count = os.environ.get("GOMP_SPINCOUNT", "").strip().lower()
+    if not count or count == "infinite" or count == "infinity":
+        return True
+    try:
+        return float(count.rstrip("kmgt")) * {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}.get(
+            count[-1], 1) > SHORT_SPIN
+    except ValueError:
+        return True
+
+
+def _cpu_times() -> Optional[Tuple[float, float]]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _own_jiffies() -> Optional[float]:
+    try:
+        t = os.times()
+    except OSError:
+        return None
+    return (t.user + t.system) * os.sysconf("SC_CLK_TCK")
+
+
+def busy_cores_elsewhere(window: float = 0.05) -> Optional[float]:
+    """Cores' worth of CPU time other processes used over `window` seconds
+    (this process's own use subtracted); None where /proc/stat is missing."""
+    a, own_a = _cpu_times(), _own_jiffies()
+    time.sleep(window)
+    b, own_b = _cpu_times(), _own_jiffies()
+    if a is None or b is None or own_a is None or own_b is None or b[1] <= a[1]:
+        return None
+    ncpu = os.cpu_count() or 1
+    busy = (b[0] - a[0]) - (own_b - own_a)
+    return max(0.0, busy / (b[1] - a[1]) * ncpu)
+
+
+@functools.lru_cache(maxsize=None)
+def check_wait_policy() -> Optional[str]:
+    """Once per process: warn when OpenMP threads spin and the machine has fewer
+    idle cores (in this process's affinity set) than torch.get_num_threads().
+    Returns the warning's text, or None."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or not spinning():
+        return None
+    others = busy_cores_elsewhere()
+    if others is None:
+        return None
+    try:
+        ours = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        ours = os.cpu_count() or 1
+    free = min(ours, (os.cpu_count() or 1) - others)
+    if free >= threads - 0.5:
+        return None
+    msg = (f"cpu_layout: {threads} OpenMP threads with spinning barriers, but other processes keep "
+           f"{others:.1f} of this machine's {os.cpu_count()} cores busy; spinning threads steal the "
+           f"time slices the threads they wait for need (7x slower seen). Start the process with "
+           f"GOMP_SPINCOUNT=1000 or OMP_WAIT_POLICY=PASSIVE (scripts/omp_env.sh sets the first), "
+           f"or use fewer threads (torch.set_num_threads).")
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return msg
