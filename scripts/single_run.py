@@ -20,6 +20,11 @@ Positional arguments (same order, defaults and meanings as inductor_single_run.s
               multi-thread runs only)
  11 BACKEND   cpu_layout | inductor | inductor_freezing | eager [cpu_layout]
 
+--ninstances N (THREAD=multiple) splits socket 0's cores among N instances launched by
+PyTorch's own launcher, `python -m torch.backends.xeon.run_cpu --ninstances N`; each
+instance prints its own rows (dev column cpu:<instance>), one header in all. The
+instances share cpu_layout's on-disk cache, so the C++ is compiled once.
+
 Output on stdout is CSV only; the last line is the last row.
   accuracy:    dev,name,batch_size,accuracy,calls_captured,unique_graphs,graph_breaks
   performance: dev,name,batch_size,speedup,abs_latency,compilation_latency,
@@ -129,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_nonneg, default=int(os.environ.get("SINGLE_RUN_WARMUP", 5)),
                    help="untimed calls before timing [5, env SINGLE_RUN_WARMUP]")
     p.add_argument("--no-pin", action="store_true", help="do not pin worker processes to cores")
+    p.add_argument("--ninstances", type=_positive, default=1,
+                   help="THREAD=multiple: split the cores among N instances launched by "
+                        "python -m torch.backends.xeon.run_cpu; each prints its own rows, whose "
+                        "dev column is cpu:<instance> [1]")
     p.add_argument("--worker", choices=("single", "multiple"), help=argparse.SUPPRESS)
     p.add_argument("--rows-file", help=argparse.SUPPRESS)
     return p
@@ -243,10 +252,25 @@ def main(argv=None) -> int:
             env = dict(os.environ)
             env["OMP_NUM_THREADS"] = str(len(cores))
             env["SINGLE_RUN_CORES"] = ",".join(map(str, cores))
-            prefix = pin_prefix(cores, args.no_pin)
-            cmd = prefix + [sys.executable, os.path.abspath(__file__)] + argv + \
-                ["--worker", mode, "--rows-file", rows_file.name]
-            pin = " ".join(prefix) if prefix else "no pinning"
+            n = args.ninstances if mode == "multiple" else 1
+            if n > 1:
+                if n > len(cores):
+                    _err(f"single_run: --ninstances {n} is more than the {len(cores)} cores of socket 0")
+                    return EXIT_USAGE
+                # PyTorch's own launcher pins each instance (numactl, else taskset), sets
+                # OMP_NUM_THREADS, and preloads tcmalloc/jemalloc when it finds them.
+                env["SINGLE_RUN_INSTANCES"] = str(n)
+                prefix = [sys.executable, "-m", "torch.backends.xeon.run_cpu", "--ninstances", str(n),
+                          "--ncores-per-instance", str(len(cores) // n),
+                          "--core-list", ",".join(map(str, cores))]
+                cmd = prefix + ["--", os.path.abspath(__file__)] + argv + \
+                    ["--worker", mode, "--rows-file", rows_file.name]
+                pin = f"{n} instances of {len(cores) // n} core(s) by torch.backends.xeon.run_cpu"
+            else:
+                prefix = pin_prefix(cores, args.no_pin)
+                cmd = prefix + [sys.executable, os.path.abspath(__file__)] + argv + \
+                    ["--worker", mode, "--rows-file", rows_file.name]
+                pin = " ".join(prefix) if prefix else "no pinning"
             _err(f"== thread={mode}: {len(cores)} thread(s) on core(s) "
                  f"{','.join(map(str, cores))} ({pin})")
             sys.stdout.flush()
@@ -358,8 +382,24 @@ def load_suite_models(suite: str, model: str):
     return [(n, (lambda bs, n=n: build(bs, n))) for n in names]
 
 
+def instance_index(all_cores) -> int:
+    """Under run_cpu: which of SINGLE_RUN_INSTANCES instances this is, from the cores it
+    was pinned to (run_cpu hands out consecutive blocks of the core list)."""
+    n = int(os.environ.get("SINGLE_RUN_INSTANCES", "1"))
+    if n <= 1 or not hasattr(os, "sched_getaffinity"):
+        return 0
+    first = min(os.sched_getaffinity(0))
+    per = max(1, len(all_cores) // n)
+    return all_cores.index(first) // per if first in all_cores else 0
+
+
 def worker_main(args) -> int:
     cores = [int(c) for c in os.environ.get("SINGLE_RUN_CORES", "0").split(",") if c]
+    instance = instance_index(cores)
+    if int(os.environ.get("SINGLE_RUN_INSTANCES", "1")) > 1:  # run_cpu pinned this instance
+        cores = sorted(os.sched_getaffinity(0))
+        args.no_pin = True
+    dev = "cpu" if int(os.environ.get("SINGLE_RUN_INSTANCES", "1")) <= 1 else f"cpu:{instance}"
     nthreads = 1 if args.worker == "single" else len(cores)
     if hasattr(os, "sched_setaffinity") and not args.no_pin:
         try:  # pinned already by numactl/taskset when present; this covers neither
@@ -389,7 +429,8 @@ def worker_main(args) -> int:
     entries = load_suite_models(args.suite, args.model)
     accuracy = args.scenario == "accuracy"
     header = ACCURACY_HEADER if accuracy else PERFORMANCE_HEADER
-    print(",".join(header), flush=True)
+    if instance == 0:
+        print(",".join(header), flush=True)
     prog = Progress(len(entries))
     prog.show("starting")
     rows = []
@@ -405,7 +446,7 @@ def worker_main(args) -> int:
                 r = B.AccuracyResult("fail_to_run")
             else:
                 r = B.run_accuracy(name, model, x, args.backend, dtype, dynamic, args.wrapper, cl)
-            row = ["cpu", name, batch, r.status, r.calls_captured, r.unique_graphs, r.graph_breaks]
+            row = [dev, name, batch, r.status, r.calls_captured, r.unique_graphs, r.graph_breaks]
             if r.reason:
                 _err(r.reason)
             if r.strides_ok is False:
@@ -419,7 +460,7 @@ def worker_main(args) -> int:
                                       rounds=min(5, args.iters))
             if r.reason:
                 _err(r.reason)
-            row = ["cpu", name, batch, r.speedup, r.abs_latency_ms, r.compile_s,
+            row = [dev, name, batch, r.speedup, r.abs_latency_ms, r.compile_s,
                    r.compression_ratio, r.eager_peak_bytes / 1e9, r.compiled_peak_bytes / 1e9]
         for w in getattr(r, "warnings", []):
             _err(f"{name}, {w}")

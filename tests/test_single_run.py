@@ -198,3 +198,20 @@ def test_cpp_wrapper_end_to_end(scenario, cpp_supported):
         assert r.returncode == 2
         assert "not supported yet" in r.stderr and "cpp wrapper" in r.stderr
         assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+def test_instances_through_torchs_launcher():
+    if len(sr.socket0_cores()) < 2:
+        pytest.skip("needs two cores")
+    r = maml("accuracy", "default", "cpu_layout", "--ninstances", "2")
+    assert r.returncode == 0, r.stderr
+    assert "torch.backends.xeon.run_cpu" in r.stderr
+    out = rows(r.stdout)
+    assert out[0] == ACC_HEADER.split(",") and sum(row[0] == "dev" for row in out) == 1
+    assert sorted(row[0] for row in out[1:]) == ["cpu:0", "cpu:1"]
+    assert all(row[3] == "pass" for row in out[1:]), r.stdout
+
+
+def test_more_instances_than_cores_is_refused():
+    r = maml("accuracy", "default", "cpu_layout", "--ninstances", str(len(sr.socket0_cores()) + 1))
+    assert r.returncode == 2 and "--ninstances" in r.stderr
