@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import time
 import weakref
 from typing import Optional, Sequence
@@ -109,32 +110,46 @@ class StateKey:
     """Whether the module-state tensors of a call are what they were when last
     remembered: same storage address, content version and dtype, and the same
     epoch (ops.refresh). Checked on every forward against hundreds of
-    parameters, so the check allocates nothing: building a key tuple per
-    parameter per call kept Python's garbage collector busy (5% of
-    mobilenet_v3's forward). Arguments that are not tensors are not compared
-    (they are constants of the graph)."""
+    parameters, so it runs in C loops (map over attribute getters, list
+    equality) and builds no tuple per parameter: those kept Python's garbage
+    collector busy (5% of mobilenet_v3's forward). Arguments that are not
+    tensors are not compared (they are constants of the graph)."""
 
-    __slots__ = ("epoch", "seen")
+    __slots__ = ("epoch", "mask", "ptrs", "versions", "dtypes")
 
     def __init__(self):
         self.epoch = None
-        self.seen = None
+        self.mask = None
+
+    def _tensors(self, values):
+        return values if self.mask is None else [v for v, m in zip(values, self.mask) if m]
 
     def same(self, values) -> bool:
-        seen = self.seen
-        if seen is None or self.epoch != ops.state_epoch() or len(values) != len(seen):
+        if self.epoch is None or self.epoch != ops.state_epoch():
             return False
-        for v, k in zip(values, seen):
-            if k is None:
-                continue
-            if (v.data_ptr() != k[0] or v.dtype is not k[2]
-                    or (ops.INFERENCE_VERSION if v.is_inference() else v._version) != k[1]):
-                return False
-        return True
+        ts = self._tensors(values)
+        if len(ts) != len(self.ptrs):
+            return False
+        try:
+            versions = list(map(_VERSION, ts))
+        except RuntimeError:  # an inference tensor: no version counter
+            versions = [ops.content_version(t) for t in ts]
+        return (versions == self.versions and list(map(_DATA_PTR, ts)) == self.ptrs
+                and list(map(_DTYPE, ts)) == self.dtypes)
 
     def remember(self, values) -> None:
+        mask = [isinstance(v, torch.Tensor) for v in values]
+        self.mask = None if all(mask) else mask
+        ts = self._tensors(values)
+        self.ptrs = list(map(_DATA_PTR, ts))
+        self.versions = [ops.content_version(t) for t in ts]
+        self.dtypes = list(map(_DTYPE, ts))
         self.epoch = ops.state_epoch()
-        self.seen = [_key(v) if isinstance(v, torch.Tensor) else None for v in values]
+
+
+_VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _bn_inv_std(w, var, eps):

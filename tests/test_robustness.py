@@ -224,3 +224,25 @@ def test_parameter_expanded_to_the_batch_under_mark_dynamic(compiled_graphs):
         with torch.no_grad():
             assert_matches(fn(x), m(x))
     assert len(compiled_graphs) == 1
+
+
+def test_state_key_sees_every_kind_of_change():
+    from cpu_layout import ops, runtime
+
+    w, b = torch.randn(4), torch.randn(4)
+    key = runtime.StateKey()
+    assert not key.same([w, 3, b])  # nothing remembered yet
+    key.remember([w, 3, b])
+    assert key.same([w, 5, b])  # arguments that are not tensors are graph constants
+    b.add_(1)
+    assert not key.same([w, 3, b]), "an in-place change bumps the version"
+    key.remember([w, 3, b])
+    assert not key.same([w, 3, b.clone()]), "other storage"
+    assert not key.same([w, 3, b.to(torch.float64)]), "other dtype"
+    assert not key.same([w, 3]), "fewer tensors"
+    with torch.inference_mode():
+        wi, bi = torch.randn(4), torch.randn(4)
+    key.remember([wi, bi])
+    assert key.same([wi, bi]), "inference tensors have no version counter: taken as unchanged"
+    ops.refresh()
+    assert not key.same([wi, bi]), "until refresh()"
