@@ -519,3 +519,21 @@ def test_aten_pooling_is_priced_per_layout():
     no_pool = StubCost(cm.rule)
     no_pool.pool_cost = lambda node: (0.0, 0.0)
     assert plan(g, no_pool).label_of["stem"] == CONTIGUOUS  # the price is what decides
+
+
+def test_other_ops_are_priced_for_the_prediction_but_never_decide():
+    g = residual_net(blocks=2, c=32, hw=16, n=1)
+    cm = default_cost_model()
+    plans = {lab: materialize(g, uniform_assignment(g, lab), cm) for lab in LABELS}
+    other = {lab: p.other_cost for lab, p in plans.items()}
+    assert other[CONTIGUOUS] == other[CHANNELS_LAST] > 0, "the same in every layout"
+    for p in plans.values():
+        assert p.total_cost == pytest.approx(p.conv_cost + p.copy_cost + p.op_cost + p.other_cost)
+    # Bigger tensors cost more; a kernel over 4x the bytes costs more than 3x as much.
+    small, big = Graph(), Graph()
+    for gr, hw in ((small, 32), (big, 64)):
+        gr.output(gr.pointwise(gr.input("x", (1, 64, hw, hw)), op="relu"))
+    ps, pb = (materialize(gr, {}, cm).other_cost for gr in (small, big))
+    assert pb > 3 * ps
+    # A matmul is priced by its FLOPs.
+    assert cm.other_cost(0, 0, torch.float32, flops=2e9) > 10 * cm.other_cost(0, 0, torch.float32, flops=2e7)

@@ -95,6 +95,15 @@ def _flops(batch, cin, cout, groups, kernel: Tuple[int, ...], out_spatial: Tuple
     return max(f, 1.0)
 
 
+# Modelled constants for the prediction (other_cost): a call's fixed cost, and a
+# matmul's FLOP rate per thread (ATen's oneDNN/MKL sgemm, Sapphire Rapids fp32).
+_CALL_US = 3.0
+_MATMUL_GFLOPS = 60.0
+# A kernel streams its operands in their own order; the copy rate is a layout
+# conversion's (a transposition). densenet121's BN-ReLU kernels and concats ran at
+# 0.4x of what the copy rate predicts (Sapphire Rapids, fp32, 1 thread).
+_STREAM_VS_COPY = 0.4
+
 # ns per (output element x window element) of pooling, (NCHW: ATen, NHWC: ours).
 _POOL_NS = {"max": (3.2, 0.12), "avg": (1.0, 0.12)}
 
@@ -138,6 +147,17 @@ class CostModel:
 
         work = numel_hint(node.size) * math.prod(node.kernel) / 1e3
         return (work * per[0], work * per[1])
+
+    # ---- everything else: priced for the prediction, the same in every layout ----
+    def other_cost(self, in_bytes: int, out_bytes: int, dtype: torch.dtype, flops: float = 0.0) -> float:
+        """µs of a generated kernel, reduction, concat or ATen op, modelled: the bytes it
+        reads and writes at a streaming rate derived from the copy rate, or for a
+        matmul its FLOPs at _MATMUL_GFLOPS per thread, plus a fixed per-call cost.
+        Layout-independent, so it never changes the plan's choice; it makes the plan's
+        predicted forward time comparable with the measured one."""
+        if flops:
+            return _CALL_US + flops / (_MATMUL_GFLOPS * 1e3 * max(1, torch.get_num_threads()))
+        return _CALL_US + _STREAM_VS_COPY * self.copy_cost((in_bytes + out_bytes) // 2, dtype)
 
     # ---- copies ---------------------------------------------------------------
     def copy_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:

@@ -160,6 +160,7 @@ class Fallback(Node):
     needs_contiguous: bool = True
     wants: Optional[Tuple] = None
     stride: Optional[Tuple] = None
+    flops: float = 0.0  # a matmul's multiply-adds x 2 (priced by FLOPs, not bytes)
     kind = "fallback"
 
 

@@ -19,6 +19,17 @@ from cpu_layout.plan.planner import Plan, plan
 aten = torch.ops.aten
 
 
+def _matmul_flops(n: ir.Node) -> float:
+    """2 x M x N x K (x batch) of addmm/mm/bmm, from size hints; 0 for anything else."""
+    if not isinstance(n, ir.Aten) or n.target not in (aten.addmm.default, aten.mm.default, aten.bmm.default):
+        return 0.0
+    a = n.args[1] if n.target is aten.addmm.default else n.args[0]
+    if not isinstance(a, ir.Buffer) or not n.out.is_tensor:
+        return 0.0
+    k = L.numel_hint(a.size[-1:])
+    return 2.0 * L.numel_hint(n.out.size) * k
+
+
 def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
     """`kernels`: element-wise nodes will run in generated kernels (else on ATen)."""
     pgraph = pg.Graph()
@@ -90,7 +101,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
             else:
                 wants = tuple(by_name[i].eager_want() for i in ins)
                 stride = b.eager_stride
-            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride))
+            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride, flops=_matmul_flops(n)))
     return pgraph
 
 

@@ -84,6 +84,7 @@ class Plan:
     copy_cost: float
     exact: bool = True                    # the min cut found the optimum of the model
     op_cost: float = 0.0                  # other priced ops (ATen pooling)
+    other_cost: float = 0.0               # kernels, reductions, concats, ATen ops: the same in any layout
     policies: Dict[str, float] = field(default_factory=dict)  # name -> total cost, for explain()
 
     @property
@@ -93,7 +94,7 @@ class Plan:
 
     @property
     def total_cost(self) -> float:
-        return self.conv_cost + self.copy_cost + self.op_cost
+        return self.conv_cost + self.copy_cost + self.op_cost + self.other_cost
 
     def copy_named(self, name: str) -> Copy:
         return next(c for c in self.copies if c.name == name)
@@ -101,7 +102,7 @@ class Plan:
     def explain(self) -> str:
         lines = [f"cpu_layout plan: {len(self.convs)} convs, {len(self.copies)} copies, "
                  f"total {self.total_cost:.1f} us (convs {self.conv_cost:.1f}, copies {self.copy_cost:.1f}, "
-                 f"pooling {self.op_cost:.1f})"
+                 f"pooling {self.op_cost:.1f}, other ops {self.other_cost:.1f})"
                  + ("" if self.exact else "  [approximate: conflicting permutes]")]
         for name, pol in self.policies.items():
             lines.append(f"  policy {name}: {pol:.1f} us")
@@ -321,7 +322,26 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
     for c in cl:
         c.strided = c.reason == "layout" and all(getattr(graph[u], "strided_reads", False) for u in c.consumers)
         c.once = all(graph[u].constant for u in c.consumers)
-    return Plan(layout_of, label_of, reads, cl, convs, conv_total, sum(c.cost_us for c in cl), op_cost=op_total)
+    if "other" not in memo:
+        memo["other"] = _other_cost(graph, cm)
+    return Plan(layout_of, label_of, reads, cl, convs, conv_total, sum(c.cost_us for c in cl), op_cost=op_total,
+                other_cost=memo["other"])
+
+
+# Node kinds priced by other_cost: their time does not depend on the plan's layouts.
+_OTHER_KINDS = ("pointwise", "reduction", "concat", "batchnorm", "fallback", "linear")
+
+
+def _other_cost(graph: Graph, cm: CostModel) -> float:
+    """Modelled µs of every non-constant node the plan does not otherwise price."""
+    total = 0.0
+    for node in graph:
+        if node.kind not in _OTHER_KINDS or node.constant:
+            continue
+        ins = sum(nbytes_hint(graph[i].size, graph[i].dtype) for i in node.inputs)
+        total += cm.other_cost(ins, nbytes_hint(node.size, node.dtype), node.dtype,
+                               getattr(node, "flops", 0.0))
+    return total
 
 
 def evaluate(graph: Graph, assignment: Dict[str, str], cost_model: Optional[CostModel] = None) -> float:
