@@ -76,3 +76,33 @@ def test_a_compile_plans_with_measured_costs(cache, monkeypatch):
     assert all(d.cost.source == "measured on this machine" for d in plan.convs.values()), plan.explain()
     assert os.listdir(cache / "autotune")
     torch._dynamo.reset()
+
+
+def test_post_ops_are_measured_with_the_conv_and_keyed_apart(cache, monkeypatch):
+    from cpu_layout import ops
+
+    g = pg.Graph()
+    x = g.input("x", (1, 16, 12, 12))
+    g.conv(x, 16, 3, padding=1, name="plain")
+    g.add(pg.Conv("fused", (x,), (1, 16, 12, 12), torch.float32, in_size=(1, 16, 12, 12), out_channels=16,
+                  kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), post_ops=("add", "relu")))
+    seen = []
+    real = ops.conv2d
+
+    def spy(x, w, b=None, **kw):
+        seen.append((kw["out_layout"], x.is_contiguous(), [
+            (p[0], p[1].is_contiguous(memory_format=torch.channels_last)) if isinstance(p, tuple) else p
+            for p in kw.get("post_ops", ())]))
+        return real(x, w, b, **kw)
+
+    monkeypatch.setattr(ops, "conv2d", spy)
+    model = measure.MeasuredCostModel(None)
+    model.conv_cost(g["plain"])
+    assert all(post == [] for _, _, post in seen)
+    seen.clear()
+    model.conv_cost(g["fused"])
+    assert seen and {lay: post for lay, _, post in seen} == {
+        "nchw": [("add", False), "relu"], "nhwc": [("add", True), "relu"]}, seen
+    model.save()
+    keys = json.loads(next((cache / "autotune").iterdir()).read_text())
+    assert len(keys) == 2 and any("po['add', 'relu']" in k for k in keys), keys

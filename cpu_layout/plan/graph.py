@@ -78,6 +78,9 @@ class Conv(Node):
     dilation: Tuple = ()
     groups: int = 1
     bias: bool = True
+    # Fused post-ops as cpu_layout.ops takes them, a residual as "add": they are
+    # timed with the conv (a GEMM kernel's separate post-op pass can flip the choice).
+    post_ops: Tuple = ()
     kind = "conv"
 
     @property
