@@ -15,7 +15,7 @@ other instances at a file barrier, then runs forwards for --seconds. Images/s of
 all instances are summed.
 
     python scripts/bench_instances.py [--suite torchvision] [--models resnet50,mobilenet_v3_large]
-                                      [--batch 8] [--instances 1,2] [--backends eager,cplcpp]
+                                      [--batch 8] [--instances 1,2] [--backends eager,cplcpp,ov]
                                       [--seconds 5]
 """
 from __future__ import annotations
@@ -45,6 +45,11 @@ def worker(args) -> None:
         fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": True})
     elif args.backend == "cpl":
         fn = torch.compile(model, backend="cpu_layout")
+    elif args.backend == "ov":  # OpenVINO's CPU plugin on this instance's threads (benchmark.OpenVINOCompiled)
+        from cpu_layout import benchmark
+
+        fn = benchmark._openvino(model, "float32", False)
+        x = fn.prepare_input(x)
     else:
         fn = model
     t0 = time.perf_counter()
@@ -100,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--instances", default=None, help="comma-separated instance counts [1,2,4,... up to the cores]")
-    ap.add_argument("--backends", default="eager,cplcpp", help="eager, cpl, cplcpp")
+    ap.add_argument("--backends", default="eager,cplcpp,ov", help="eager, cpl, cplcpp, ov (OpenVINO)")
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args(argv)
     if args.worker:
