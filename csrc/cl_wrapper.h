@@ -184,9 +184,9 @@ static inline int elsize(const H& t) {
 // half speed. So a buffer that dies inside the segment, owned by no other
 // handle (codegen guarantees it: never an output, never viewed), goes back
 // here, and the next allocation of the same element size that fits (at least
-// as many bytes, at most twice) takes it: reuse within the call, as the plan
-// lends dead buffers, and across calls. Blocks idle for a whole call are
-// freed, so what is held is what the last call used.
+// as many bytes, at most twice) takes it: reuse within the call (a dead
+// buffer's storage for the next output) and across calls. Blocks idle for a
+// whole call are freed, so what is held is what the last call used.
 class Pool {
  public:
   H take(int nd, const int64_t* sz, bool cl, int es) {
