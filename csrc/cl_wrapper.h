@@ -178,6 +178,12 @@ static inline int elsize(const H& t) {
   fail("segment tensor is not float32, bfloat16 or int64");
 }
 
+static inline int64_t storage_offset(const H& t) {
+  int64_t off = -1;
+  shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
+  return off;
+}
+
 // Storage a segment keeps from one call to the next. A fresh allocation
 // costs page faults on every touched page of a large buffer (glibc maps and
 // unmaps big blocks on each malloc/free): resnet50's 3 MB outputs ran at
@@ -211,15 +217,11 @@ class Pool {
     if (!best || n == 0) return empty(nd, sz, st, es);
     H block = std::move(best->t);
     from->erase(from->begin() + (best - from->data()));
-    AtenTensorHandle h;
-    shim(aoti_torch__reinterpret_tensor(block.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
-    return H(h);
+    return alias(block, nd, sz, st);
   }
   void give(H&& t) {
     if (!t) return;
-    int64_t off = -1;
-    shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
-    if (off != 0) { t.reset(); return; }
+    if (storage_offset(t) != 0) { t.reset(); return; }
     const int es = elsize(t);
     const int64_t n = numel(t);
     warm_.push_back(Block{std::move(t), es, n});
@@ -239,16 +241,13 @@ class Pool {
 // over its storage (t is left empty), when it already is exactly that;
 // otherwise an empty handle and `t` untouched.
 static inline H take_over(H& t, int nd, const int64_t* sz, bool cl) {
-  if (!t || dim(t) != nd || !std::equal(sz, sz + nd, sizes(t)) || !dense_in(t, cl)) return H();
-  int64_t off = -1;
-  shim(aoti_torch_get_storage_offset(t.get(), &off), "storage_offset");
-  if (off != 0) return H();
+  if (!t || dim(t) != nd || !std::equal(sz, sz + nd, sizes(t)) || !dense_in(t, cl) || storage_offset(t) != 0)
+    return H();
   int64_t st[16];
   dense_strides(nd, sz, cl, st);
-  AtenTensorHandle h;
-  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, 0, &h), "reinterpret_tensor");
+  H out = alias(t, nd, sz, st);
   t.reset();
-  return H(h);
+  return out;
 }
 
 // One pool per segment, taken for the length of a call. A second thread
@@ -395,11 +394,10 @@ static inline H view(const H& t, int nn, const int64_t* nsz) {
 
 // aten::as_strided: sizes and strides over `t`'s storage, at storage offset `off` (-1: t's own).
 static inline H as_strided(const H& t, int nd, const int64_t* sz, const int64_t* st, int64_t off) {
-  int64_t cur;
-  shim(aoti_torch_get_storage_offset(t.get(), &cur), "storage_offset");
   AtenTensorHandle h;
   // reinterpret_tensor adds its offset to t's own.
-  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, off < 0 ? 0 : off - cur, &h), "as_strided");
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, off < 0 ? 0 : off - storage_offset(t), &h),
+       "as_strided");
   return H(h);
 }
 

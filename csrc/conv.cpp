@@ -465,19 +465,19 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
         if (a.post_ops[i].kind == CL_PO_ADD) sum_slot = i;
     dnnl::convolution_forward::primitive_desc pd;
     Choice chosen{};
-    for (int slot : {sum_slot, -1}) {
+    auto first_fit = [&](int slot) {  // the first acceptable kernel with the residual as `slot`
         for (const Choice &c : choices) {
             pd = make_pd(a, c.compute, c.src, c.dst, true, slot);
             if (pd) {
                 chosen = c;
-                break;
+                return true;
             }
         }
-        if (pd) {
-            sum_slot = slot;
-            break;
-        }
-        if (slot < 0) break;
+        return false;
+    };
+    if (sum_slot < 0 || !first_fit(sum_slot)) {
+        sum_slot = -1;
+        first_fit(-1);
     }
     if (!pd) {
         chosen = choices.front();

@@ -320,8 +320,7 @@ class _SegmentEmitter:
             # The output takes over the dying residual's storage: oneDNN's sum post-op adds in place.
             e(f"  clw::H tmp_out = clw::take_over({self.v(inplace)}, {nsp + 2}, osz, {str(dst_cl).lower()});")
             e("  const bool inplace = static_cast<bool>(tmp_out);")
-            e(f"  if (!inplace) tmp_out = clw_pool->take({nsp + 2}, osz, {str(dst_cl).lower()}, {_ES[n.out.dtype]});")
-            self.fresh.add(n.out)
+            self.alloc(n.out, nsp + 2, "osz", "if (!inplace) tmp_out")
         else:
             self.alloc(n.out, nsp + 2, "osz")
         res_names = []
