@@ -134,6 +134,13 @@ class CostModel:
         except (OSError, ValueError):
             return cls(None)
 
+    # ---- a graph's planning (measuring models keep a budget and a disk cache) ----
+    def begin_graph(self) -> None:
+        """A new graph is about to be priced."""
+
+    def save(self) -> None:
+        """Keep what pricing the graph learned for the next compile."""
+
     # ---- pooling (ATen's kernels) ----------------------------------------------
     def pool_cost(self, node) -> Tuple[float, float]:
         """(NCHW µs, NHWC µs) of a max/avg pool: channels-last runs on the generated

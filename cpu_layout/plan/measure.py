@@ -65,7 +65,7 @@ class MeasuredCostModel(CostModel):
             return None
         if conv.dtype not in (torch.float32, torch.bfloat16) or conv.in_size[0] == 0:
             return None
-        post = getattr(conv, "post_ops", ())
+        post = conv.post_ops
         return (f"{str(conv.dtype)[6:]} n{conv.in_size[0]} {conv.in_size[1]}->{conv.size[1]} "
                 f"in{list(conv.in_size[2:])} k{list(conv.kernel)} s{list(conv.stride)} "
                 f"p{list(conv.padding)} d{list(conv.dilation)} g{conv.groups}"
@@ -136,7 +136,7 @@ def _measure_real(conv, rounds):
     post = {}  # per layout: the conv's post-ops, a residual already in the output's layout
     for lay in xs:
         r = res.contiguous(memory_format=torch.channels_last if lay == "nhwc" else torch.contiguous_format)
-        post[lay] = [("add", r) if p == "add" else p for p in getattr(conv, "post_ops", ())]
+        post[lay] = [("add", r) if p == "add" else p for p in conv.post_ops]
     times = {k: [] for k in xs}
     with torch.no_grad():
         for lay, xi in xs.items():

@@ -534,8 +534,7 @@ def plan(graph: Graph, cost_model: Optional[CostModel] = None, compare_policies:
     (including the costs of the all-contiguous / all-channels-last policies).
     """
     cm = cost_model or default_cost_model()
-    if hasattr(cm, "begin_graph"):
-        cm.begin_graph()
+    cm.begin_graph()
     b = _Builder(graph, cm)
     energy = b.build()
     labels, value, exact = energy.minimize()
@@ -549,8 +548,7 @@ def plan(graph: Graph, cost_model: Optional[CostModel] = None, compare_policies:
             if q.total_cost < p.total_cost:
                 q.exact = False
                 p = q
-    if hasattr(cm, "save"):
-        cm.save()  # measured conv costs, for the next compile
+    cm.save()  # measured conv costs, for the next compile
     log = config.log_enabled("plan")
     if compare_policies or log:
         for lab in LABELS:
