@@ -15,14 +15,11 @@ latency per variant and the slowdown loaded / unloaded.
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing
 import os
-import subprocess
-import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _bench_models_csv import run_bench_models
+
 
 
 def _spin(core, nice):
@@ -43,27 +40,20 @@ def run(args, policy, loaded):
         env["GOMP_SPINCOUNT"] = policy[5:]
     elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy
-    fd, path = tempfile.mkstemp(suffix=".csv")
-    os.close(fd)
-    cmd = [sys.executable, os.path.join(HERE, "bench_models.py"), "--suite", args.suite,
-           "--models", args.models, "--batch", str(args.batch), "--threads", str(args.threads),
-           "--dtypes", "float32", "--shapes", "static", "--backends", args.backends,
-           "--csv", path] + (["--quick"] if args.quick else [])
+    argv = ["--suite", args.suite, "--models", args.models, "--batch", str(args.batch),
+            "--threads", str(args.threads), "--dtypes", "float32", "--shapes", "static",
+            "--backends", args.backends] + (["--quick"] if args.quick else [])
     spinner = None
     if loaded:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         spinner = multiprocessing.Process(target=_spin, args=(cores[-1], args.nice), daemon=True)
         spinner.start()
     try:
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        return run_bench_models(argv, env)
     finally:
         if spinner is not None:
             spinner.terminate()
             spinner.join()
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    os.unlink(path)
-    return {(r["model"], r["variant"]): float(r["latency_ms"]) for r in rows if r["latency_ms"]}
 
 
 def main(argv=None):

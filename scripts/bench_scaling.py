@@ -13,33 +13,17 @@ next to eager's and OpenVINO's.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
-import subprocess
-import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _bench_models_csv import read_latencies, run_bench_models
 
-
-def read(path):
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    return {(r["model"], r["variant"]): float(r["latency_ms"]) for r in rows if r["latency_ms"]}
 
 
 def measure(args, threads):
-    fd, path = tempfile.mkstemp(suffix=".csv")
-    os.close(fd)
-    cmd = [sys.executable, os.path.join(HERE, "bench_models.py"), "--suite", args.suite, "--models",
-           args.models, "--batch", str(args.batch), "--threads", str(threads), "--dtypes", args.dtype,
-           "--shapes", "static", "--backends", args.backends, "--csv", path]
-    subprocess.run(cmd + (["--quick"] if args.quick else []), check=True, stdout=subprocess.DEVNULL)
-    try:
-        return read(path)
-    finally:
-        os.unlink(path)
+    return run_bench_models(["--suite", args.suite, "--models", args.models, "--batch", str(args.batch),
+                             "--threads", str(threads), "--dtypes", args.dtype, "--shapes", "static",
+                             "--backends", args.backends] + (["--quick"] if args.quick else []))
 
 
 def main(argv=None):
@@ -55,7 +39,7 @@ def main(argv=None):
     ap.add_argument("--from-csv", help="two bench_models.py CSVs: 1 thread, all threads")
     args = ap.parse_args(argv)
     if args.from_csv:
-        one, many = (read(p) for p in args.from_csv.split(","))
+        one, many = (read_latencies(p) for p in args.from_csv.split(","))
     else:
         one, many = measure(args, 1), measure(args, args.threads)
     variants = [v for v in args.backends.split(",") if any(k[1] == v for k in one)]
