@@ -382,10 +382,9 @@ def load_suite_models(suite: str, model: str):
     return [(n, (lambda bs, n=n: build(bs, n))) for n in names]
 
 
-def instance_index(all_cores) -> int:
-    """Under run_cpu: which of SINGLE_RUN_INSTANCES instances this is, from the cores it
-    was pinned to (run_cpu hands out consecutive blocks of the core list)."""
-    n = int(os.environ.get("SINGLE_RUN_INSTANCES", "1"))
+def instance_index(all_cores, n: int) -> int:
+    """Under run_cpu: which of `n` instances this is, from the cores it was pinned to
+    (run_cpu hands out consecutive blocks of the core list)."""
     if n <= 1 or not hasattr(os, "sched_getaffinity"):
         return 0
     first = min(os.sched_getaffinity(0))
@@ -395,11 +394,13 @@ def instance_index(all_cores) -> int:
 
 def worker_main(args) -> int:
     cores = [int(c) for c in os.environ.get("SINGLE_RUN_CORES", "0").split(",") if c]
-    instance = instance_index(cores)
-    if int(os.environ.get("SINGLE_RUN_INSTANCES", "1")) > 1:  # run_cpu pinned this instance
+    instances = int(os.environ.get("SINGLE_RUN_INSTANCES", "1"))
+    instance = instance_index(cores, instances)
+    dev = "cpu"
+    if instances > 1:  # run_cpu pinned this instance to its share of the cores
         cores = sorted(os.sched_getaffinity(0))
         args.no_pin = True
-    dev = "cpu" if int(os.environ.get("SINGLE_RUN_INSTANCES", "1")) <= 1 else f"cpu:{instance}"
+        dev = f"cpu:{instance}"
     nthreads = 1 if args.worker == "single" else len(cores)
     if hasattr(os, "sched_setaffinity") and not args.no_pin:
         try:  # pinned already by numactl/taskset when present; this covers neither
