@@ -401,6 +401,24 @@ static inline H as_strided(const H& t, int nd, const int64_t* sz, const int64_t*
   return H(h);
 }
 
+// aten::slice with step 1 (also a split's piece), a view: start and end
+// clamped to dim `d`'s size as ATen clamps them (negative: from the end).
+static inline H slice(const H& t, int d, int64_t start, int64_t end) {
+  const int nd = (int)dim(t);
+  const int64_t n = sizes(t)[d];
+  auto clamp = [n](int64_t i) { if (i < 0) i += n; return i < 0 ? 0 : i > n ? n : i; };
+  const int64_t lo = clamp(start), hi = std::max(lo, clamp(end));
+  int64_t sz[16];
+  std::copy(sizes(t), sizes(t) + nd, sz);
+  sz[d] = hi - lo;
+  AtenTensorHandle h;
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, strides(t), lo * strides(t)[d], &h), "slice");
+  return H(h);
+}
+
+// aten::clone into fresh storage `out` laid out as the caller chose.
+static inline void copy_into(H& out, const H& t) { shim(aoti_torch_copy_(out.get(), t.get(), 0), "clone"); }
+
 // ATen's reshape: the view when the strides allow it, else a view of a contiguous copy.
 static inline H reshape(const H& t, int nn, const int64_t* nsz) {
   int64_t nst[16];

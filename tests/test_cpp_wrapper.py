@@ -115,6 +115,75 @@ def test_unsupported_op_splits_the_graph_into_segments():
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
 
+class ShuffleBlock(nn.Module):
+    """ShuffleNet's unit: chunk, a branch, cat, channel shuffle (view, transpose,
+    contiguous, view), plus splits of other kinds and a channels-last clone."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.branch = nn.Sequential(nn.Conv2d(c // 2, c // 2, 1), nn.BatchNorm2d(c // 2), nn.ReLU(),
+                                    nn.Conv2d(c // 2, c // 2, 3, padding=1, groups=c // 2))
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+
+    def forward(self, x):
+        y = self.stem(x)
+        a, b = y.chunk(2, dim=1)
+        y = torch.cat((a, self.branch(b)), dim=1)
+        n, c, h, w = y.shape
+        y = y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        p, q, r = torch.split(y, [3, 4, 1], dim=1)      # uneven pieces
+        s = torch.split(y, 5, dim=3)                      # along width, last piece short
+        z = (p.sum(1, keepdim=True) * q[:, :1] + r).clone(memory_format=torch.channels_last)
+        return z, s[-1], s[0] * 2
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_splits_and_clones_run_inside_the_segment(mode, dynamic, monkeypatch):
+    model = _init(ShuffleBlock())
+    fn = compile_cpp(model, dynamic=dynamic)
+    grad = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with grad:
+        fn(torch.randn(2, 3, 6, 7))
+        _no_python_runners(monkeypatch)
+        for n in (2, 3) if dynamic else (2, 2):
+            x = torch.randn(n, 3, 6, 7)
+            before = runtime.SegmentCall.calls
+            got = fn(x)
+            assert runtime.SegmentCall.calls - before == 1, "split and clone split the segment"
+            for y, ref in zip(got, model(x)):
+                assert y.shape == ref.shape and y.stride() == ref.stride()
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert got[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_split_piece_and_clone_order():
+    aten = torch.ops.aten
+    g = ir.Graph()
+    x = g.new_buffer(size=(2, 10, 3), dtype=torch.float32, eager_stride=(30, 3, 1))
+    tup = g.new_buffer()
+
+    def split(target, how, **kw):
+        return ir.Aten("split", [x], tup, target=target, args=(x, how, *kw.values()), multi=True)
+
+    assert [cpp_wrapper.split_piece(split(aten.split.Tensor, 4, dim=1), i) for i in range(3)] == [
+        (1, 0, 4), (1, 4, 8), (1, 8, 12)]  # the last piece is clamped at run time
+    assert [cpp_wrapper.split_piece(split(aten.split_with_sizes.default, [7, 3], dim=-2), i)
+            for i in range(2)] == [(1, 0, 7), (1, 7, 10)]
+    assert cpp_wrapper.split_piece(split(aten.split_with_sizes.default, [7, 2], dim=1), 0) is None
+    y = g.new_buffer(size=(2, 10, 3), dtype=torch.float32, eager_stride=(30, 1, 10))
+
+    def clone(fmt, layout):
+        y.layout = layout
+        return ir.Aten("clone", [x], y, target=aten.clone.default, args=(x,), kwargs={"memory_format": fmt})
+
+    assert cpp_wrapper.clone_order(clone(torch.preserve_format, ir.EAGER)) is None  # eager's own strides
+    assert not cpp_wrapper.runs_in_cpp(clone(torch.preserve_format, ir.EAGER))
+    assert cpp_wrapper.clone_order(clone(torch.preserve_format, "channels_last")) == "channels_last"
+    assert cpp_wrapper.clone_order(clone(torch.contiguous_format, ir.EAGER)) == "contiguous"
+    assert cpp_wrapper.clone_order(clone(torch.channels_last, ir.EAGER)) is None  # not 4-D
+
+
 def test_rule_keeps_python_only_ops_out_of_segments():
     g = ir.Graph()
     x = g.new_buffer(size=(2, 3), dtype=torch.float32, eager_stride=(3, 1))

@@ -52,6 +52,8 @@ SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, 
 _INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
 # ATen ops the shim lacks that csrc/cl_wrapper.h implements itself.
 OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default)
+# Splits run as views (clw::narrow), one per Getitem of the result.
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 # Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
 _HELD_ES = {**_ES, torch.int64: 8}
 
@@ -107,6 +109,17 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return _float_tensor(n.inputs[0])
     if isinstance(n, ir.LayerNorm):
         return all(_float_tensor(b) for b in n.inputs)
+    if isinstance(n, ir.Getitem):
+        src = n.inputs[0].producer
+        return isinstance(src, ir.Aten) and src.target in SPLIT_OPS and runs_in_cpp(src)
+    if isinstance(n, ir.Aten) and n.target in SPLIT_OPS:
+        return (_float_tensor(n.inputs[0]) and split_piece(n, 0) is not None
+                and all(isinstance(u, ir.Getitem) for u in n.out.users))
+    if isinstance(n, ir.Aten) and n.target is aten.slice.Tensor:
+        return _float_tensor(n.inputs[0]) and _float_tensor(n.out) and slice_range(n) is not None
+    if isinstance(n, ir.Aten) and n.target is aten.clone.default:
+        return (set(n.kwargs) <= {"memory_format"} and len(n.args) == 1 and _float_tensor(n.inputs[0])
+                and _float_tensor(n.out) and clone_order(n) is not None)
     if not isinstance(n, ir.Aten) or n.multi or not _float_tensor(n.out):
         return False
     if n.target in _INDEX_OPS:  # x[..., idx, idx]: float data, integer index tensors
@@ -135,6 +148,46 @@ def runs_in_cpp(n: ir.Node) -> bool:
             return _static(n.args[3:]) and n.inputs[0].rank in (1, 2)
         return _static(n.args[1:])
     return False
+
+
+def split_piece(n: ir.Aten, i: int):
+    """(dim, start, end) of piece `i` of a split with static sizes along a
+    static dim, else None: a step-1 slice (the last piece of an uneven
+    split.Tensor is clamped to the size, as ATen's is)."""
+    x = n.args[0]
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    if set(n.kwargs) - {"dim"} or type(dim) is not int or not x.rank:
+        return None
+    how = n.args[1]
+    if n.target is aten.split.Tensor:
+        if type(how) is not int or how <= 0:
+            return None
+        return dim % x.rank, i * how, (i + 1) * how
+    if not _static(how) or not how or (type(x.size[dim]) is int and sum(how) != x.size[dim]):
+        return None
+    return dim % x.rank, sum(how[:i]), sum(how[:i + 1])
+
+
+def slice_range(n: ir.Aten):
+    """(dim, start, end) of a step-1 slice with static bounds (end None: to the end), else None."""
+    x = n.args[0]
+    dim, start, end, step = (list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1:])[:4]
+    if n.kwargs or step != 1 or not _static([dim, start, end]) or not x.rank:
+        return None
+    return dim % x.rank, start or 0, end
+
+
+def clone_order(n: ir.Aten) -> Optional[str]:
+    """The named order a clone's result is dense in: the one an explicit memory
+    format names (ATen's strides for it), else its planned layout, else None."""
+    fmt = n.kwargs.get("memory_format", torch.preserve_format)
+    if fmt is torch.contiguous_format:
+        return L.CONTIGUOUS
+    if (fmt is torch.channels_last and n.out.rank == 4) or (fmt is torch.channels_last_3d and n.out.rank == 5):
+        return L.CHANNELS_LAST
+    if fmt is torch.preserve_format and n.out.layout in L.LABELS:
+        return n.out.layout
+    return None
 
 
 # ---- IR rewriting ------------------------------------------------------------------
@@ -534,6 +587,35 @@ class _SegmentEmitter:
             self.fresh.add(n.out)
         self.end(n)
 
+    def split(self, n: ir.Aten):
+        """A handle of the input that the pieces view (the tuple itself is never materialised)."""
+        x = self.read_aliased(n, n.args[0])
+        self.emit(f"// {n.name}: split")
+        self.emit(f"clw::H t_{n.out.name} = clw::alias({x}, (int)clw::dim({x}), clw::sizes({x}), clw::strides({x}));")
+        self.var[n.out] = f"t_{n.out.name}"
+
+    def split_piece(self, n: ir.Getitem):
+        dim, start, end = split_piece(n.inputs[0].producer, n.index)
+        self.begin(n)
+        self.emit(f"  t_{n.out.name} = clw::slice({self.v(n.inputs[0])}, {dim}, {start}, {end});")
+        self.end(n)
+
+    def slice(self, n: ir.Aten):
+        dim, start, end = slice_range(n)
+        self.begin(n)
+        x = self.read_aliased(n, n.args[0])
+        end = "INT64_MAX" if end is None else int(end)
+        self.emit(f"  t_{n.out.name} = clw::slice({x}, {dim}, {int(start)}, {end});")
+        self.end(n)
+
+    def clone(self, n: ir.Aten):
+        out = f"t_{n.out.name}"
+        self.begin(n)
+        x = self.read(n, n.args[0])
+        self.alloc(n.out, n.out.rank, f"clw::sizes({x})", out, cl=_cl(clone_order(n)))
+        self.emit(f"  clw::copy_into({out}, {x});")
+        self.end(n)
+
     def const_index(self, b: ir.Buffer) -> int:
         return self.consts.index(b)
 
@@ -594,6 +676,14 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
             em.reduction(m)
         elif isinstance(m, ir.LayerNorm):
             em.layer_norm(m)
+        elif isinstance(m, ir.Getitem):
+            em.split_piece(m)
+        elif m.target in SPLIT_OPS:
+            em.split(m)
+        elif m.target is aten.clone.default:
+            em.clone(m)
+        elif m.target is aten.slice.Tensor:
+            em.slice(m)
         else:
             em.aten_op(m)
         if debug and m.out.layout in L.LABELS:
@@ -638,6 +728,12 @@ def _symbol_sources(g: ir.Graph) -> Dict:
 
 def _prepare(g: ir.Graph) -> None:
     _hoist_batch_norm(g)
+    # A split's pieces right after it, so they share its segment (the tuple is never a handle).
+    for n in [n for n in g.nodes if isinstance(n, ir.Aten) and n.target in SPLIT_OPS and runs_in_cpp(n)]:
+        items = [u for u in g.nodes if u in n.out.users]
+        rest = [m for m in g.nodes if m not in items]
+        pos = rest.index(n) + 1
+        g.nodes = rest[:pos] + items + rest[pos:]
     for n in g.nodes:
         if isinstance(n, ir.Aten) and n.target in VIEW_OPS and runs_in_cpp(n):
             # Its sizes come from the symbolic shape, so the scalar arithmetic
