@@ -157,6 +157,44 @@ def test_splits_and_clones_run_inside_the_segment(mode, dynamic, monkeypatch):
     assert got[0].is_contiguous(memory_format=torch.channels_last)
 
 
+class Cats(nn.Module):
+    """Cats along channels of conv outputs (the plan's order), with a part read
+    through a transpose (not dense in any named order), along width, and of
+    an empty part."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 5, 3, padding=1)
+        self.b = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        a, b = F.relu(self.a(x)), self.b(x)
+        y = torch.cat((a, b, a[:, :0]), dim=1)
+        z = torch.cat((a, b.transpose(2, 3).transpose(2, 3) * 2, a), dim=1)
+        w = torch.cat((y, y * 0.5), dim=-1)
+        t = torch.cat((a[:, :, :, :4].transpose(2, 3), a[:, :, :4]), dim=2)  # a strided part
+        return y, z, w, t
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw_input", "nhwc_input"])
+def test_own_cat_matches_atens(mode, channels_last, monkeypatch):
+    model = Cats().eval()
+    fn = compile_cpp(model)
+    grad = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    with grad:
+        x = torch.randn(2, 3, 6, 6).contiguous(memory_format=fmt)
+        fn(x)
+        _no_python_runners(monkeypatch)
+        before = runtime.SegmentCall.calls
+        got = fn(x)
+        assert runtime.SegmentCall.calls - before == 1
+        for y, ref in zip(got, model(x)):
+            assert y.shape == ref.shape and y.stride() == ref.stride()
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_split_piece_and_clone_order():
     aten = torch.ops.aten
     g = ir.Graph()

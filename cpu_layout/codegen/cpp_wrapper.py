@@ -177,6 +177,13 @@ def slice_range(n: ir.Aten):
     return dim % x.rank, start or 0, end
 
 
+def own_cat(n: ir.Aten) -> bool:
+    """Whether csrc's cat_into runs this cat: parts of the result's rank and
+    dtype (no promotion, no skipped empty 1-D parts), result in a named order."""
+    return (n.out.layout in L.LABELS and n.out.rank > 0
+            and all(b.rank == n.out.rank and b.dtype == n.out.dtype for b in n.args[0]))
+
+
 def clone_order(n: ir.Aten) -> Optional[str]:
     """The named order a clone's result is dense in: the one an explicit memory
     format names (ATen's strides for it), else its planned layout, else None."""
@@ -540,6 +547,13 @@ class _SegmentEmitter:
             e(f"  clw::shim(aoti_torch_cpu_avg_pool2d({x}.get(), k, 2, s, 2, p, 2, {ceil}, {incl}, "
               f"{'&div' if div is not None else 'nullptr'}, &o), \"{n.name}: avg_pool2d\");")
             e(f"  {out} = clw::H(o);")
+        elif t is aten.cat.default and own_cat(n):
+            parts = [self.read(n, b) for b in a[0]]
+            dim = (a[1] if len(a) > 1 else 0) % n.out.rank
+            e(f"  const clw::H* parts[] = {{{', '.join('&' + p for p in parts)}}};")
+            e(f"  int64_t osz[{n.out.rank}]; clw::cat_sizes(parts, {len(parts)}, {dim}, osz);")
+            self.alloc(n.out, n.out.rank, "osz", out)
+            e(f"  clw::cat_into({out}, parts, {len(parts)}, {dim}, {_cl(n.out.layout)});")
         elif t is aten.cat.default:
             parts = [self.read(n, b) for b in a[0]]
             dim = a[1] if len(a) > 1 else 0
