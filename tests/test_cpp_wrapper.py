@@ -291,6 +291,31 @@ def test_a_segment_keeps_its_buffers_between_calls_and_never_hands_them_out(comp
         assert f.read().count("clw_pool->give(std::move(t_") == len(seg.members) - 1, "every buffer but the result"
 
 
+def _conv_relu(i, o, k=1, s=1, g=1):
+    return [nn.Conv2d(i, o, k, s, k // 2, groups=g), nn.ReLU()]
+
+
+def test_pool_serves_every_buffer_from_the_second_call_on():
+    # mnasnet's stem: buffers of several sizes, where a request that took a larger block
+    # than it needed left a later, larger request to allocate fresh memory every call.
+    model = nn.Sequential(*_conv_relu(3, 32, 3, 2), *_conv_relu(32, 32, 3, 1, 32), nn.Conv2d(32, 16, 1),
+                          *_conv_relu(16, 48), *_conv_relu(48, 48, 3, 2, 48), nn.Conv2d(48, 24, 1),
+                          *_conv_relu(24, 72), *_conv_relu(72, 72, 3, 1, 72), nn.Conv2d(72, 24, 1),
+                          nn.AdaptiveAvgPool2d(1)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    fn = compile_cpp(model)
+    with torch.no_grad():
+        for _ in range(3):
+            fn(x)
+        for _ in range(3):
+            peak, held, allocs = benchmark.allocations(fn, x)
+            assert (allocs, held) == (1, 0), (peak, held, allocs)  # the result only
+            assert peak == 24 * 4
+        y, ref = fn(x), model(x)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert y.stride() == ref.stride()
+
+
 class Residuals(nn.Module):
     """Two bottleneck-style blocks; the second block's input is also read after its last conv."""
 
