@@ -157,6 +157,55 @@ def test_splits_and_clones_run_inside_the_segment(mode, dynamic, monkeypatch):
     assert got[0].is_contiguous(memory_format=torch.channels_last)
 
 
+class ShuffleUnits(nn.Module):
+    """Two ShuffleNet units back to back: every view (chunk pieces, the shuffle's
+    5-D view and transpose) dies inside the segment."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c // 2, c // 2, 1), nn.ReLU(),
+                          nn.Conv2d(c // 2, c // 2, 3, padding=1, groups=c // 2)) for _ in range(2))
+
+    def forward(self, x):
+        y = self.stem(x)
+        for branch in self.branches:
+            a, b = y.chunk(2, dim=1)
+            y = torch.cat((a, branch(b)), dim=1)
+            n, c, h, w = y.shape
+            y = y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        return F.relu(y)
+
+
+def test_viewed_buffers_go_back_to_the_pool_when_their_views_died():
+    model = _init(ShuffleUnits())
+    x = torch.randn(1, 3, 16, 16)
+    fn = compile_cpp(model)
+    with torch.no_grad():
+        for _ in range(3):
+            fn(x)
+        peak, held, allocs = benchmark.allocations(fn, x)
+        assert (allocs, held) == (1, 0), (peak, held, allocs)  # the result only
+        y, ref = fn(x), model(x)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert y.stride() == ref.stride()
+
+
+def test_a_returned_view_keeps_its_storage_out_of_the_pool():
+    model = _init(ShuffleBlock())  # returns views of the shuffled buffer
+    fn = compile_cpp(model)
+    x1, x2 = torch.randn(2, 3, 6, 7), torch.randn(2, 3, 6, 7)
+    with torch.no_grad():
+        fn(x1)
+        first = fn(x1)
+        kept = [t.clone() for t in first]
+        for _ in range(2):
+            fn(x2)  # later calls must not write into what the first one returned
+    for t, k in zip(first, kept):
+        assert torch.equal(t, k)
+
+
 class Cats(nn.Module):
     """Cats along channels of conv outputs (the plan's order), with a part read
     through a transpose (not dense in any named order), along width, and of

@@ -267,8 +267,16 @@ class _SegmentEmitter:
         self.lines: List[str] = []
         self.var: Dict[ir.Buffer, str] = {}
         self.fresh = set()   # buffers this segment allocated (may go back to its pool)
-        self.aliased = set()  # buffers some view aliases (never pooled)
-        self.aliased_reads = set()  # conversions some view aliases (never pooled)
+        self.aliased = set()  # buffers some view aliases
+        self.aliased_reads = set()  # conversions some view aliases
+        # A view's storage is its root's: the root goes back to the pool when it and every
+        # view of it died (`live_views`), unless some view escapes the segment.
+        # A view that reads a conversion aliases the copy (or the buffer itself, when it
+        # already was in order): such copies wait in `view_copies` for the root's views.
+        self.root: Dict[ir.Buffer, ir.Buffer] = {}
+        self.live_views: Dict[ir.Buffer, set] = {}
+        self.view_copies: Dict[ir.Buffer, List[str]] = {}
+        self.unpoolable = set()
         self.converted: Dict[tuple, str] = {}  # (buffer, order) -> handle in that order
 
     def emit(self, s: str):
@@ -315,10 +323,14 @@ class _SegmentEmitter:
     def release_reads(self, keys, last_conv: Dict[tuple, ir.Node], n: ir.Node):
         for key in dict.fromkeys(keys):
             if last_conv[key] is n:
-                if key in self.aliased_reads:
-                    self.emit(f"{self.converted[key]}_c.reset();")
+                copy = f"{self.converted[key]}_c"
+                root = self.root.get(key[0], key[0])
+                if key in self.aliased_reads and self.live_views.get(root):
+                    self.view_copies.setdefault(root, []).append(copy)  # views of it still live
+                elif key in self.aliased_reads and root in self.unpoolable:
+                    self.emit(f"{copy}.reset();")
                 else:
-                    self.emit(f"clw_pool->give(std::move({self.converted[key]}_c));")
+                    self.emit(f"clw_pool->give(std::move({copy}));")
 
     def read(self, n: ir.Node, b: ir.Buffer) -> str:
         """A handle of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
@@ -335,7 +347,42 @@ class _SegmentEmitter:
         order = _required(n, b)
         if order is not None:
             self.aliased_reads.add((b, order))
+        # The view aliases the conversion, or `b` itself when it already was in that order:
+        # either way the root is free once the view died too.
+        self.view_of(n.out, b)
         return self.read(n, b)
+
+    def view_of(self, view: ir.Buffer, b: ir.Buffer):
+        root = self.root.get(b, b)
+        self.root[view] = root
+        members = self.live_views.setdefault(root, {root})
+        if view in self.outs or self.last_use.get(view) is None:
+            self.unpoolable.add(root)  # escapes, or no reader to mark its death
+        members.add(view)
+
+    def release(self, b: ir.Buffer):
+        """`b` died: to the pool when this segment allocated it and nothing else refers to it
+        (a root once its views died too), else its handle is dropped."""
+        root = self.root.get(b, b)
+        members = self.live_views.get(root)
+        if members is None:  # never viewed
+            if b in self.fresh and _float_tensor(b):
+                self.emit(f"clw_pool->give(std::move({self.v(b)}));")
+            else:
+                self.emit(f"{self.v(b)}.reset();")
+            return
+        members.discard(b)
+        if b is not root:
+            self.emit(f"{self.v(b)}.reset();")
+        if members:
+            return  # the root's handle stays until its last view died
+        poolable = root not in self.unpoolable
+        if root in self.fresh and poolable and _float_tensor(root):
+            self.emit(f"clw_pool->give(std::move({self.v(root)}));")
+        else:
+            self.emit(f"{self.v(root)}.reset();")
+        for copy in self.view_copies.pop(root, []):
+            self.emit(f"clw_pool->give(std::move({copy}));" if poolable else f"{copy}.reset();")
 
     # each returns the C++ statements (inside braces) for one node
     def conv(self, n: ir.Conv):
@@ -611,6 +658,7 @@ class _SegmentEmitter:
     def split_piece(self, n: ir.Getitem):
         dim, start, end = split_piece(n.inputs[0].producer, n.index)
         self.begin(n)
+        self.view_of(n.out, n.inputs[0])
         self.emit(f"  t_{n.out.name} = clw::slice({self.v(n.inputs[0])}, {dim}, {start}, {end});")
         self.end(n)
 
@@ -703,13 +751,9 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
         if debug and m.out.layout in L.LABELS:
             em.emit(f"clw::check_order(t_{m.out.name}, {_cl(m.out.layout)}, \"{m.out.name}\");")
         em.release_reads(keys, last_conv, m)
-        # Release what died here: to the pool when the segment allocated it and nothing else refers to it.
         for b in dict.fromkeys(m.inputs):
             if last_use.get(b) is m and b in em.var and b not in outset and b not in consts:
-                if b in em.fresh and b not in em.aliased and _float_tensor(b):
-                    em.emit(f"clw_pool->give(std::move({em.v(b)}));")
-                else:
-                    em.emit(f"{em.v(b)}.reset();")
+                em.release(b)
     for j, b in enumerate(outs):
         em.emit(f"out[{j}] = (uintptr_t){em.v(b)}.release();")
     return (
