@@ -62,6 +62,7 @@ FOLLOW_OPS = {
     aten._native_batch_norm_legit_no_training.default: None,
     aten.cat.default: None,
     aten.clone.default: None,
+    aten.native_channel_shuffle.default: None,
 }
 
 _FLOAT = (torch.float32, torch.bfloat16)
@@ -406,8 +407,41 @@ class Lowering:
         return self._aten(n, ir.FOLLOW, target=aten.upsample_nearest2d.default,
                           args=(self.env[x], [oh, ow]), kwargs={})
 
+    def _channel_shuffle(self, n: FxNode):
+        """`view(clone(transpose(view(x, [b, g, c/g, *sp]), 1, 2)), [b, c, *sp])`
+        (ShuffleNet's channel shuffle) as one `native_channel_shuffle(x, g)`:
+        layout-agnostic, so a channels-last x stays channels-last, where the
+        five-dimensional clone would pin it to contiguous (a conversion on each
+        side of every shuffle). Values do not depend on any of the strides."""
+        c = n.args[0]
+        if not (isinstance(c, FxNode) and c.target is aten.clone.default and len(c.args) == 1):
+            return None
+        t = c.args[0]
+        if not (isinstance(t, FxNode) and t.target in (aten.transpose.int, aten.permute.default)):
+            return None
+        v = t.args[0]
+        if not (isinstance(v, FxNode) and v.target in (aten.view.default, aten._unsafe_view.default)):
+            return None
+        x = v.args[0]
+        xv, vv, nv = self._val(x), self._val(v), self._val(n)
+        if not all(isinstance(a, torch.Tensor) for a in (xv, vv, nv)) or not 3 <= xv.dim() <= 5:
+            return None
+        r = vv.dim()
+        g, k, c_in = vv.shape[1], vv.shape[2], xv.shape[1]
+        if (r != xv.dim() + 1 or permutation_of(t.target, t.args, r) != (0, 2, 1) + tuple(range(3, r))
+                or not all(type(d) is int for d in (g, k, c_in)) or c_in != g * k
+                or not L.same_sizes(vv.shape[3:], xv.shape[2:]) or not L.same_sizes(vv.shape[:1], xv.shape[:1])
+                or not L.same_sizes(nv.shape, xv.shape)):
+            return None
+        return self._aten(n, ir.FOLLOW, target=aten.native_channel_shuffle.default,
+                          args=(self.env[x], g), kwargs={})
+
     def _call(self, n: FxNode):
         t = n.target
+        if t in (aten.view.default, aten._unsafe_view.default):
+            r = self._channel_shuffle(n)
+            if r is not None:
+                return r
         if t in REDUCTIONS:
             return self._reduction(n)
         if t is aten._unsafe_index.Tensor:

@@ -498,6 +498,54 @@ static inline void cat_into(H& out, const H* const* parts, int n, int d, bool cl
   }
 }
 
+// aten::native_channel_shuffle(x, g) into `out` (x's sizes, laid out as the
+// caller chose): output channel j*g + i is input channel i*k + j, k = C / g.
+// The shim exports no channel shuffle. With channels innermost on both sides
+// each pixel's channels are gathered at once; otherwise ATen's copy_ between
+// (N, k, g, ...) views of both does it.
+template <typename T>
+static void shuffle_pixels(const char* src, char* dst, int64_t npix, const int64_t* pix_sz,
+                           const int64_t* ist, const int64_t* ost, int nsp, int64_t g, int64_t k) {
+#pragma omp parallel for if (npix * g * k > 16384)
+  for (int64_t p = 0; p < npix; ++p) {
+    int64_t io = 0, oo = 0, r = p;
+    for (int d = nsp; d >= 0; --d) {  // p over (N, spatial...), innermost last
+      const int64_t i = r % pix_sz[d];
+      r /= pix_sz[d];
+      io += i * ist[d];
+      oo += i * ost[d];
+    }
+    const T* s = (const T*)src + io;
+    T* o = (T*)dst + oo;
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t i = 0; i < g; ++i) o[j * g + i] = s[i * k + j];
+  }
+}
+
+static inline void channel_shuffle_into(H& out, const H& x, int64_t g) {
+  const int nd = (int)dim(x), es = elsize(x);
+  const int64_t* s = sizes(x); const int64_t* ist = strides(x); const int64_t* ost = strides(out);
+  const int64_t k = s[1] / g;
+  if (ist[1] == 1 && ost[1] == 1 && (es == 4 || es == 2)) {
+    int64_t psz[16], pist[16], post[16], npix = 1;
+    for (int d = 0, j = 0; d < nd; ++d) {
+      if (d == 1) continue;
+      psz[j] = s[d]; pist[j] = ist[d]; post[j] = ost[d]; npix *= s[d]; ++j;
+    }
+    if (npix == 0) return;
+    if (es == 4) shuffle_pixels<uint32_t>((const char*)data(x), (char*)data(out), npix, psz, pist, post, nd - 2, g, k);
+    else shuffle_pixels<uint16_t>((const char*)data(x), (char*)data(out), npix, psz, pist, post, nd - 2, g, k);
+    return;
+  }
+  int64_t sz[16], xs[16], os[16];
+  sz[0] = s[0]; xs[0] = ist[0]; os[0] = ost[0];
+  sz[1] = k; xs[1] = ist[1]; os[1] = g * ost[1];
+  sz[2] = g; xs[2] = k * ist[1]; os[2] = ost[1];
+  for (int d = 2; d < nd; ++d) { sz[d + 1] = s[d]; xs[d + 1] = ist[d]; os[d + 1] = ost[d]; }
+  H xv = alias(x, nd + 1, sz, xs), ov = alias(out, nd + 1, sz, os);
+  shim(aoti_torch_copy_(ov.get(), xv.get(), 0), "channel_shuffle");
+}
+
 // aten::clone into fresh storage `out` laid out as the caller chose.
 static inline void copy_into(H& out, const H& t) { shim(aoti_torch_copy_(out.get(), t.get(), 0), "clone"); }
 

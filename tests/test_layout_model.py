@@ -207,3 +207,64 @@ def test_torchvision_convnext_is_one_cpp_segment(amp, compiled_graphs):
     g = compiled_graphs[0].cpu_layout_graph
     assert [type(n) for n in g.nodes if not isinstance(n, (ir.Input, ir.Output, ir.Getitem))] == \
         [ir.Aten, ir.Segment], g.dump()
+
+
+class ShuffleBlock(nn.Module):
+    """A ShuffleNet unit: chunk, a conv branch, cat, then the channel shuffle
+    written as eager code does (view, transpose, contiguous, view)."""
+
+    def __init__(self, c=16, groups=2, transpose=(1, 2)):
+        super().__init__()
+        self.groups, self.transpose = groups, transpose
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.branch = nn.Sequential(nn.Conv2d(c // 2, c // 2, 1), nn.ReLU(),
+                                    nn.Conv2d(c // 2, c // 2, 3, padding=1, groups=c // 2))
+        self.head = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        y = self.stem(x)
+        a, b = y.chunk(2, dim=1)
+        y = torch.cat((a, self.branch(b)), dim=1)
+        n, c, h, w = y.shape
+        y = y.view(n, self.groups, c // self.groups, h, w).transpose(*self.transpose).contiguous()
+        return self.head(y.view(n, c, h, w))
+
+
+def _targets(compiled_graphs):
+    nodes = [m for c in compiled_graphs for n in c.cpu_layout_graph.nodes for m in (n.members if isinstance(n, ir.Segment) else [n])]
+    return [getattr(n, "target", None) for n in nodes]
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_channel_shuffle_is_one_layout_agnostic_op(fmt, groups, grad, amp, cpp, compiled_graphs, monkeypatch):
+    """The view-transpose-contiguous-view pattern lowers to native_channel_shuffle
+    (no clone pins it to contiguous); in C++ it runs inside the one segment."""
+    model = ShuffleBlock(groups=groups).eval()
+    x = torch.randn(2, 3, 12, 10).to(memory_format=fmt)
+    if cpp:
+        calls = []
+        real = runtime.SegmentCall.__call__
+        monkeypatch.setattr(runtime.SegmentCall, "__call__", lambda s, *a: calls.append(s) or real(s, *a))
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad=grad, cpp=cpp)
+    assert_same(y, ref, amp)
+    targets = _targets(compiled_graphs)
+    assert torch.ops.aten.native_channel_shuffle.default in targets
+    assert torch.ops.aten.clone.default not in targets
+    if cpp:
+        assert len(calls) == 2  # one foreign call per forward
+    else:  # the Python wrapper counts its copies
+        assert copies == planned_copies(compiled_graphs), compiled_graphs[0].cpu_layout_graph.plan.explain()
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+def test_a_transpose_that_is_not_a_channel_shuffle_stays_as_written(cpp, compiled_graphs):
+    model = ShuffleBlock(transpose=(3, 4)).eval()  # swaps height and width instead
+    x = torch.randn(2, 3, 8, 8)
+    ref, y, _ = compile_run(model, x, False, compiled_graphs, cpp=cpp)
+    assert_same(y, ref, False)
+    assert torch.ops.aten.native_channel_shuffle.default not in _targets(compiled_graphs)
+

@@ -51,7 +51,7 @@ SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, 
             aten.mm.default, aten._unsafe_index.Tensor, aten.index.Tensor)
 _INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
 # ATen ops the shim lacks that csrc/cl_wrapper.h implements itself.
-OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default)
+OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default, aten.native_channel_shuffle.default)
 # Splits run as views (clw::narrow), one per Getitem of the result.
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 # Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
@@ -130,6 +130,9 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return False
     if n.target is aten.as_strided.default:  # static sizes, strides and offset
         return not n.kwargs and 3 <= len(n.args) <= 4 and _static(n.args[1:])
+    if n.target is aten.native_channel_shuffle.default:
+        return (not n.kwargs and len(n.args) == 2 and type(n.args[1]) is int and n.args[1] > 0
+                and 3 <= n.out.rank <= 5)
     if n.target is aten.upsample_nearest2d.default:  # output size given, no scales
         return (not n.kwargs and len(n.args) == 2 and n.inputs[0].rank == 4 and _static(n.args[1])
                 and len(n.args[1]) == 2)
@@ -678,6 +681,15 @@ class _SegmentEmitter:
         self.emit(f"  clw::copy_into({out}, {x});")
         self.end(n)
 
+    def channel_shuffle(self, n: ir.Aten):
+        out = f"t_{n.out.name}"
+        self.begin(n)
+        x = self.read(n, n.args[0])
+        lay = n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS
+        self.alloc(n.out, n.out.rank, f"clw::sizes({x})", out, cl=_cl(lay))
+        self.emit(f"  clw::channel_shuffle_into({out}, {x}, {int(n.args[1])});")
+        self.end(n)
+
     def const_index(self, b: ir.Buffer) -> int:
         return self.consts.index(b)
 
@@ -744,6 +756,8 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
             em.split(m)
         elif m.target is aten.clone.default:
             em.clone(m)
+        elif m.target is aten.native_channel_shuffle.default:
+            em.channel_shuffle(m)
         elif m.target is aten.slice.Tensor:
             em.slice(m)
         else:
