@@ -14,7 +14,7 @@ from typing import Dict, Iterable
 import torch
 from torch.fx import Node as FxNode
 
-from cpu_layout import ir, runtime
+from cpu_layout import ir, ops, runtime
 from cpu_layout import layout as L
 
 aten = torch.ops.aten
@@ -62,7 +62,6 @@ FOLLOW_OPS = {
     aten._native_batch_norm_legit_no_training.default: None,
     aten.cat.default: None,
     aten.clone.default: None,
-    aten.native_channel_shuffle.default: None,
 }
 
 _FLOAT = (torch.float32, torch.bfloat16)
@@ -122,6 +121,7 @@ class Lowering:
         self.g = ir.Graph()
         self.env: Dict[FxNode, object] = {}
         self._values: Dict[FxNode, object] = {}  # _concrete's memo
+        self._shuffles: Dict[FxNode, tuple] = {}  # channel shuffles: (x, groups, channels)
 
     # ---- helpers -------------------------------------------------------------
 
@@ -409,7 +409,7 @@ class Lowering:
 
     def _channel_shuffle(self, n: FxNode):
         """`view(clone(transpose(view(x, [b, g, c/g, *sp]), 1, 2)), [b, c, *sp])`
-        (ShuffleNet's channel shuffle) as one `native_channel_shuffle(x, g)`:
+        (ShuffleNet's channel shuffle) as one `ops.channel_shuffle(x, g)`:
         layout-agnostic, so a channels-last x stays channels-last, where the
         five-dimensional clone would pin it to contiguous (a conversion on each
         side of every shuffle). Values do not depend on any of the strides."""
@@ -433,13 +433,42 @@ class Lowering:
                 or not L.same_sizes(vv.shape[3:], xv.shape[2:]) or not L.same_sizes(vv.shape[:1], xv.shape[:1])
                 or not L.same_sizes(nv.shape, xv.shape)):
             return None
-        return self._aten(n, ir.FOLLOW, target=aten.native_channel_shuffle.default,
-                          args=(self.env[x], g), kwargs={})
+        self._shuffles[n] = (self.env[x], g, c_in)
+        return self._aten(n, ir.FOLLOW, target=ops.channel_shuffle, args=(self.env[x], g, 0, c_in), kwargs={})
+
+    def _shuffle_pieces(self, n: FxNode):
+        """`split(shuffle(x), ..., dim=1)` (ShuffleNet's chunk after its shuffle)
+        as one `ops.channel_shuffle` per piece, each writing its channel range
+        densely: a piece of a channels-last shuffle is otherwise a strided slice
+        that a conv must copy before reading. Not when a piece is a graph output
+        (eager gives it the slice's strides)."""
+        src = n.args[0]
+        x, g, c = self._shuffles[src]
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+        vals = self._val(n)
+        if (type(dim) is not int or dim % x.rank != 1 or not isinstance(vals, (list, tuple))
+                or not all(u.target is operator.getitem for u in n.users)
+                or any(uu.op == "output" for u in n.users for uu in u.users)
+                or not all(isinstance(v, torch.Tensor) and type(v.shape[1]) is int for v in vals)
+                or sum(v.shape[1] for v in vals) != c):
+            return None
+        items, start = {}, 0
+        for i, v in enumerate(vals):
+            out = self.g.new_buffer("buf", size=tuple(v.shape), dtype=v.dtype, eager_stride=tuple(v.stride()))
+            end = start + v.shape[1]
+            self.g.add(ir.Aten(f"{n.name}_{i}", [x], out, rule=ir.FOLLOW, target=ops.channel_shuffle,
+                               args=(x, g, start, end), kwargs={}))
+            items[i], start = out, end
+        return _Picked(items)
 
     def _call(self, n: FxNode):
         t = n.target
         if t in (aten.view.default, aten._unsafe_view.default):
             r = self._channel_shuffle(n)
+            if r is not None:
+                return r
+        if t in (aten.split.Tensor, aten.split_with_sizes.default) and n.args[0] in self._shuffles:
+            r = self._shuffle_pieces(n)
             if r is not None:
                 return r
         if t in REDUCTIONS:

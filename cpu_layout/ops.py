@@ -174,15 +174,82 @@ def empty_dense(size, dtype, channels_last: bool) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, memory_format=_CL_FORMAT[len(size) - 2])
 
 
+_COPY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # CL_F32, CL_BF16
+
+
+def copy_strided(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """out.copy_(t) for tensors of one size and dtype (float32/bfloat16) on
+    oneDNN's JIT reorder: a layout conversion between dense orders runs 2-5x
+    faster than ATen's element-wise permuted copy. Strides must be ones a
+    oneDNN memory descriptor takes (each dim's stride at least the span of the
+    dims inside it: permutations and slices, not interleaved step slices);
+    anything else raises RuntimeError."""
+    if out.shape != t.shape or out.dtype != t.dtype or t.dtype not in _COPY_DTYPES:
+        raise ValueError("copy_strided needs tensors of one size and dtype, float32 or bfloat16")
+    nd = t.dim()
+    buf = ffi.new("int64_t[]", [*t.shape, *t.stride(), *out.stride()] or [0])
+    _native.check(lib.cl_copy_strided(t.data_ptr(), out.data_ptr(), nd, buf, buf + nd, buf + 2 * nd,
+                                      _COPY_DTYPES[t.dtype]))
+    return out
+
+
+def channel_shuffle(x: torch.Tensor, groups: int, start: int = 0, end=None) -> torch.Tensor:
+    """`torch.native_channel_shuffle(x, groups)[:, start:end]` as a dense tensor
+    in x's memory format (channels-last when x is channels-last dense), by
+    csrc/shuffle.cpp for float32/bfloat16 CPU tensors (ATen's ops otherwise).
+    Result channel j*groups + i is input channel i*(C/groups) + j."""
+    if x.dim() < 3:
+        raise ValueError(f"channel_shuffle needs a tensor of 3 or more dims, got {x.dim()}")
+    c = x.shape[1]
+    end = c if end is None else end
+    if groups <= 0 or c % groups or not 0 <= start <= end <= c:
+        raise ValueError(f"channel_shuffle: {c} channels in {groups} groups, range [{start}, {end})")
+    cl = x.dim() in (4, 5) and not x.is_contiguous() and is_channels_last_dense(x)
+    fmt = _CL_FORMAT[x.dim() - 2] if cl else torch.contiguous_format
+    if x.dtype not in _COPY_DTYPES or x.device.type != "cpu":
+        return torch.native_channel_shuffle(x, groups)[:, start:end].contiguous(memory_format=fmt)
+    size = (x.shape[0], end - start, *x.shape[2:])
+    out = torch.empty(size, dtype=x.dtype, memory_format=fmt)
+    nd = x.dim()
+    buf = ffi.new("int64_t[]", [*size, *x.stride(), *out.stride()])
+    if lib.cl_channel_shuffle(x.data_ptr(), out.data_ptr(), nd, buf, buf + nd, buf + 2 * nd, c, groups, start,
+                              x.element_size()) != 0:
+        raise ValueError(f"channel_shuffle: arguments the kernel refused (size {tuple(x.shape)})")
+    return out
+
+
 def to_dense(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """`t` dense in NCHW or in channels-last (a no-op when it already is; size-1 dims ignored)."""
+    """`t` dense in NCHW or in channels-last (a no-op when it already is; size-1 dims ignored).
+    Between the two dense orders of a 4-D/5-D float tensor: oneDNN's reorder."""
     if channels_last:
         if is_channels_last_dense(t):
             return t
         if t.dim() == 3:
             return t.transpose(1, 2).contiguous().transpose(1, 2)
-        return t.contiguous(memory_format=_CL_FORMAT[t.dim() - 2])
-    return t if t.is_contiguous() else t.contiguous()
+        fmt = _CL_FORMAT[t.dim() - 2]
+        if t.is_contiguous():
+            out = _reordered(t, fmt)
+            if out is not None:
+                return out
+        return t.contiguous(memory_format=fmt)
+    if t.is_contiguous():
+        return t
+    if t.dim() in (4, 5) and is_channels_last_dense(t):
+        out = _reordered(t, torch.contiguous_format)
+        if out is not None:
+            return out
+    return t.contiguous()
+
+
+def _reordered(t: torch.Tensor, fmt):
+    """`t` copied into `fmt` by oneDNN's reorder, or None where it does not apply
+    (dtype, device, strides of size-1 dims its descriptors refuse): ATen then."""
+    if t.dtype not in _COPY_DTYPES or t.device.type != "cpu":
+        return None
+    try:
+        return copy_strided(torch.empty_like(t, memory_format=fmt), t)
+    except RuntimeError:
+        return None
 
 
 def _parse_post_ops(post_ops: Sequence[PostOp]):

@@ -61,8 +61,13 @@ namespace clw {
 typedef int (*conv_fn)(const cl_conv_args*, uintptr_t, uintptr_t, unsigned long long, long long,
                        uintptr_t, uintptr_t, const uintptr_t*);
 typedef const char* (*error_fn)(void);
+typedef int (*copy_fn)(uintptr_t, uintptr_t, int, const int64_t*, const int64_t*, const int64_t*, int);
 static conv_fn conv_forward = nullptr;
 static error_fn conv_error = nullptr;
+static copy_fn copy_strided = nullptr;  // the extension's oneDNN reorder (cl_copy_strided)
+typedef int (*shuffle_fn)(uintptr_t, uintptr_t, int, const int64_t*, const int64_t*, const int64_t*, int64_t,
+                          int64_t, int64_t, int);
+static shuffle_fn channel_shuffle_kernel = nullptr;  // the extension's cl_channel_shuffle
 
 [[noreturn]] static void fail(const std::string& what) { throw std::runtime_error(what); }
 
@@ -308,11 +313,23 @@ static inline void expect(const H& t, int es, int nd, const int64_t* want, const
            ", compiled for " + std::to_string(want[i]));
 }
 
-// A copy of `t` dense in the given order (layout.to_order's conversion), by
-// ATen's copy_, on `pool`'s storage when given one.
+// out = t for a layout conversion: a source dense in either named order goes
+// through oneDNN's JIT reorder (ATen's copy_ walks a permuted copy 2-5x
+// slower); anything else, or strides oneDNN's descriptors refuse (odd
+// strides of size-1 dims), through ATen's copy_. Segments hold f32 or bf16.
+static inline void convert_into(H& out, const H& t) {
+  const int nd = (int)dim(t), es = elsize(t);
+  if (copy_strided && (es == 4 || es == 2) && nd <= 12 && (dense_in(t, false) || dense_in(t, true)) &&
+      copy_strided(addr(t), addr(out), nd, sizes(t), strides(t), strides(out), es == 4 ? 0 : 1) == 0)
+    return;
+  shim(aoti_torch_copy_(out.get(), t.get(), 0), "copy_");
+}
+
+// A copy of `t` dense in the given order (layout.to_order's conversion), on
+// `pool`'s storage when given one.
 static inline H copy_in_order(const H& t, bool cl, Pool* pool = nullptr) {
   H out = pool ? pool->take((int)dim(t), sizes(t), cl, elsize(t)) : empty_dense((int)dim(t), sizes(t), cl, elsize(t));
-  shim(aoti_torch_copy_(out.get(), t.get(), 0), "copy_");
+  convert_into(out, t);
   return out;
 }
 // `t` itself when it is dense in the order, else a copy held by `tmp`.
@@ -328,7 +345,7 @@ static inline const H& ordered_perm(const H& t, const int* perm, H& tmp, Pool* p
   int64_t st[16];
   perm_strides(nd, sizes(t), perm, st);
   tmp = pool ? pool->take(nd, sizes(t), st, elsize(t)) : empty(nd, sizes(t), st, elsize(t));
-  shim(aoti_torch_copy_(tmp.get(), t.get(), 0), "copy_");
+  convert_into(tmp, t);
   return tmp;
 }
 
@@ -498,52 +515,12 @@ static inline void cat_into(H& out, const H* const* parts, int n, int d, bool cl
   }
 }
 
-// aten::native_channel_shuffle(x, g) into `out` (x's sizes, laid out as the
-// caller chose): output channel j*g + i is input channel i*k + j, k = C / g.
-// The shim exports no channel shuffle. With channels innermost on both sides
-// each pixel's channels are gathered at once; otherwise ATen's copy_ between
-// (N, k, g, ...) views of both does it.
-template <typename T>
-static void shuffle_pixels(const char* src, char* dst, int64_t npix, const int64_t* pix_sz,
-                           const int64_t* ist, const int64_t* ost, int nsp, int64_t g, int64_t k) {
-#pragma omp parallel for if (npix * g * k > 16384)
-  for (int64_t p = 0; p < npix; ++p) {
-    int64_t io = 0, oo = 0, r = p;
-    for (int d = nsp; d >= 0; --d) {  // p over (N, spatial...), innermost last
-      const int64_t i = r % pix_sz[d];
-      r /= pix_sz[d];
-      io += i * ist[d];
-      oo += i * ost[d];
-    }
-    const T* s = (const T*)src + io;
-    T* o = (T*)dst + oo;
-    for (int64_t j = 0; j < k; ++j)
-      for (int64_t i = 0; i < g; ++i) o[j * g + i] = s[i * k + j];
-  }
-}
-
-static inline void channel_shuffle_into(H& out, const H& x, int64_t g) {
-  const int nd = (int)dim(x), es = elsize(x);
-  const int64_t* s = sizes(x); const int64_t* ist = strides(x); const int64_t* ost = strides(out);
-  const int64_t k = s[1] / g;
-  if (ist[1] == 1 && ost[1] == 1 && (es == 4 || es == 2)) {
-    int64_t psz[16], pist[16], post[16], npix = 1;
-    for (int d = 0, j = 0; d < nd; ++d) {
-      if (d == 1) continue;
-      psz[j] = s[d]; pist[j] = ist[d]; post[j] = ost[d]; npix *= s[d]; ++j;
-    }
-    if (npix == 0) return;
-    if (es == 4) shuffle_pixels<uint32_t>((const char*)data(x), (char*)data(out), npix, psz, pist, post, nd - 2, g, k);
-    else shuffle_pixels<uint16_t>((const char*)data(x), (char*)data(out), npix, psz, pist, post, nd - 2, g, k);
-    return;
-  }
-  int64_t sz[16], xs[16], os[16];
-  sz[0] = s[0]; xs[0] = ist[0]; os[0] = ost[0];
-  sz[1] = k; xs[1] = ist[1]; os[1] = g * ost[1];
-  sz[2] = g; xs[2] = k * ist[1]; os[2] = ost[1];
-  for (int d = 2; d < nd; ++d) { sz[d + 1] = s[d]; xs[d + 1] = ist[d]; os[d + 1] = ost[d]; }
-  H xv = alias(x, nd + 1, sz, xs), ov = alias(out, nd + 1, sz, os);
-  shim(aoti_torch_copy_(ov.get(), xv.get(), 0), "channel_shuffle");
+// ops.channel_shuffle(x, g, start, ...) into `out` (its channel range's sizes,
+// laid out as the caller chose): csrc/shuffle.cpp in the extension.
+static inline void channel_shuffle_into(H& out, const H& x, int64_t g, int64_t start) {
+  if (channel_shuffle_kernel((uintptr_t)data(x), (uintptr_t)data(out), (int)dim(out), sizes(out), strides(x),
+                             strides(out), sizes(x)[1], g, start, elsize(x)) != 0)
+    fail("channel_shuffle: arguments the kernel refused");
 }
 
 // aten::clone into fresh storage `out` laid out as the caller chose.
@@ -594,7 +571,9 @@ static int report(const std::exception& e, char* err, int errlen) {
 
 }  // namespace clw
 
-extern "C" void cl_segment_init(uintptr_t conv, uintptr_t error) {
+extern "C" void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle) {
   clw::conv_forward = (clw::conv_fn)conv;
   clw::conv_error = (clw::error_fn)error;
+  clw::copy_strided = (clw::copy_fn)copy;
+  clw::channel_shuffle_kernel = (clw::shuffle_fn)shuffle;
 }

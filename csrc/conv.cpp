@@ -746,6 +746,78 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     args.clear();  // drop references to the caller's buffers
 }
 
+// ---- layout copies: one cached reorder per (dims, strides, dtype) ----------
+
+struct CopyKey {
+    int dtype;
+    std::vector<int64_t> v;  // dims, src strides, dst strides
+    bool operator==(const CopyKey &o) const { return dtype == o.dtype && v == o.v; }
+};
+struct CopyKeyHash {
+    size_t operator()(const CopyKey &k) const {
+        size_t h = std::hash<int>()(k.dtype);
+        for (int64_t x : k.v) h = h * 1000003u ^ std::hash<int64_t>()(x);
+        return h;
+    }
+};
+
+struct CopyEntry {
+    dnnl::reorder prim;
+    memory::desc src, dst;
+};
+
+class CopyCache {
+   public:
+    CopyEntry get(const CopyKey &k, int nd) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = map_.find(k);
+            if (it != map_.end()) return it->second;
+        }
+        const dt t = k.dtype == CL_BF16 ? dt::bf16 : dt::f32;
+        memory::dims dims(k.v.begin(), k.v.begin() + nd), ss(k.v.begin() + nd, k.v.begin() + 2 * nd),
+            ds(k.v.begin() + 2 * nd, k.v.end());
+        CopyEntry e{{}, memory::desc(dims, t, ss), memory::desc(dims, t, ds)};
+        e.prim = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), e.src, cpu_engine(), e.dst));
+        std::lock_guard<std::mutex> g(mu_);
+        if (map_.size() >= 1024) map_.clear();  // shapes of one process's graphs: bounded in practice
+        return map_.emplace(k, e).first->second;
+    }
+    void clear() {
+        std::lock_guard<std::mutex> g(mu_);
+        map_.clear();
+    }
+
+   private:
+    std::mutex mu_;
+    std::unordered_map<CopyKey, CopyEntry, CopyKeyHash> map_;
+};
+
+CopyCache &copy_cache() {
+    static CopyCache c;
+    return c;
+}
+
+void copy_strided(const void *src, void *dst, int nd, const int64_t *dims, const int64_t *ss,
+                  const int64_t *ds, int dtype) {
+    if (nd < 1 || nd > 12) throw std::invalid_argument("cl_copy_strided: 1 to 12 dims");
+    if (dtype != CL_F32 && dtype != CL_BF16) throw std::invalid_argument("cl_copy_strided: f32 or bf16 only");
+    CopyKey k{dtype, {}};
+    k.v.reserve(3 * nd);
+    for (int i = 0; i < nd; ++i) {
+        if (dims[i] < 0) throw std::invalid_argument("cl_copy_strided: negative size");
+        if (dims[i] == 0) return;
+        k.v.push_back(dims[i]);
+    }
+    k.v.insert(k.v.end(), ss, ss + nd);
+    k.v.insert(k.v.end(), ds, ds + nd);
+    CopyEntry e = copy_cache().get(k, nd);
+    memory a(e.src, cpu_engine(), const_cast<void *>(src)), b(e.dst, cpu_engine(), dst);
+    dnnl::stream &s = thread_stream();
+    e.prim.execute(s, a, b);
+    s.wait();
+}
+
 thread_local std::string t_last_error;
 
 void write_str(char *out, int outlen, const std::string &msg) {
@@ -788,6 +860,15 @@ int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight, u
 
 const char *cl_last_error(void) { return t_last_error.c_str(); }
 
+int cl_copy_strided(uintptr_t src, uintptr_t dst, int ndims, const int64_t *dims, const int64_t *src_strides,
+                    const int64_t *dst_strides, int dtype) {
+    return guarded([&] {
+        if (!dims || !src_strides || !dst_strides) throw std::invalid_argument("null arguments");
+        copy_strided(reinterpret_cast<const void *>(src), reinterpret_cast<void *>(dst), ndims, dims, src_strides,
+                     dst_strides, dtype);
+    });
+}
+
 int cl_conv_impl_name(const cl_conv_args *args, char *out, int outlen) {
     return guarded([&] {
         if (!args) throw std::invalid_argument("null arguments");
@@ -818,6 +899,7 @@ void cl_get_stats(cl_stats *out) {
 void cl_clear_caches(void) {
     prim_cache().clear();
     weight_cache().clear();
+    copy_cache().clear();
 }
 
 void cl_set_primitive_cache_capacity(int capacity) { prim_cache().set_capacity(capacity); }

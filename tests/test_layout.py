@@ -176,3 +176,44 @@ def test_sympy_sizes():
     assert not is_in_order(size, contiguous_strides(size), CHANNELS_LAST)
     assert is_in_order(size, strides_for_order(size, CHANNELS_LAST), CHANNELS_LAST)
     assert matching_labels((n, 1, h, h), contiguous_strides((n, 1, h, h))) == (CONTIGUOUS, CHANNELS_LAST)
+
+
+# ---- layout conversions on oneDNN's reorder (ops.copy_strided, ops.to_dense) ----------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [(1, 3, 224, 224), (2, 58, 28, 28), (3, 5, 1, 7), (2, 4, 3, 5, 6), (0, 3, 4, 4)])
+def test_to_dense_converts_between_orders_exactly(size, dtype):
+    from cpu_layout import ops
+
+    x = torch.randn(size).to(dtype)
+    y = ops.to_dense(x, True)
+    assert torch.equal(y, x) and ops.is_channels_last_dense(y)
+    z = ops.to_dense(y, False)
+    assert torch.equal(z, x) and z.is_contiguous()
+    assert ops.to_dense(z, False) is z and ops.to_dense(y, True) is y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_strided_matches_atens_copy_for_permutations_and_slices(dtype):
+    from cpu_layout import ops
+
+    base = torch.randn(2, 8, 6, 5).to(dtype)
+    for src in (base.permute(0, 2, 3, 1), base[:, 2:7], base.transpose(2, 3), base[:, :, 1:4, 2:]):
+        out = torch.empty_strided(src.shape, torch.empty(src.shape).stride(), dtype=dtype)
+        assert torch.equal(ops.copy_strided(out, src), src.contiguous())
+
+
+def test_copy_strided_rejects_what_it_cannot_copy():
+    from cpu_layout import ops
+
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.raises(ValueError):
+        ops.copy_strided(torch.empty(2, 3, 4, 5), x)
+    with pytest.raises(ValueError):
+        ops.copy_strided(torch.empty(2, 3, 4, 4, dtype=torch.float16), x.half())
+    with pytest.raises(ValueError):
+        ops.copy_strided(torch.empty(2, 3, 4, 4, dtype=torch.float64), x)
+    # Interleaved strides (a step-2 slice: each row spans more than the next dim's stride)
+    # are outside what oneDNN's memory descriptors express: an error, not a crash.
+    with pytest.raises(RuntimeError, match="strides"):
+        ops.copy_strided(torch.empty(2, 3, 4, 3), torch.randn(2, 3, 4, 5)[..., ::2])

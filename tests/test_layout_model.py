@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpu_layout import ir, models, runtime, zoo
+from cpu_layout import ir, models, ops, runtime, zoo
 
 pytestmark = pytest.mark.usefixtures("strict_compile")
 
@@ -241,7 +241,7 @@ def _targets(compiled_graphs):
 @pytest.mark.parametrize("groups", [2, 4])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 def test_channel_shuffle_is_one_layout_agnostic_op(fmt, groups, grad, amp, cpp, compiled_graphs, monkeypatch):
-    """The view-transpose-contiguous-view pattern lowers to native_channel_shuffle
+    """The view-transpose-contiguous-view pattern lowers to ops.channel_shuffle
     (no clone pins it to contiguous); in C++ it runs inside the one segment."""
     model = ShuffleBlock(groups=groups).eval()
     x = torch.randn(2, 3, 12, 10).to(memory_format=fmt)
@@ -252,7 +252,7 @@ def test_channel_shuffle_is_one_layout_agnostic_op(fmt, groups, grad, amp, cpp, 
     ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad=grad, cpp=cpp)
     assert_same(y, ref, amp)
     targets = _targets(compiled_graphs)
-    assert torch.ops.aten.native_channel_shuffle.default in targets
+    assert ops.channel_shuffle in targets
     assert torch.ops.aten.clone.default not in targets
     if cpp:
         assert len(calls) == 2  # one foreign call per forward
@@ -266,5 +266,72 @@ def test_a_transpose_that_is_not_a_channel_shuffle_stays_as_written(cpp, compile
     x = torch.randn(2, 3, 8, 8)
     ref, y, _ = compile_run(model, x, False, compiled_graphs, cpp=cpp)
     assert_same(y, ref, False)
-    assert torch.ops.aten.native_channel_shuffle.default not in _targets(compiled_graphs)
+    assert ops.channel_shuffle not in _targets(compiled_graphs)
 
+
+
+class ShuffleThenChunk(nn.Module):
+    """ShuffleNet's order: shuffle, then chunk the result; each piece feeds a conv
+    (or, with `piece_out`, the first piece is also a result of the graph)."""
+
+    def __init__(self, c=16, piece_out=False):
+        super().__init__()
+        self.piece_out = piece_out
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.a, self.b = nn.Conv2d(c // 2, c // 2, 1), nn.Conv2d(c // 2, c // 2, 3, padding=1, groups=c // 2)
+
+    def forward(self, x):
+        y = self.stem(x)
+        n, c, h, w = y.shape
+        y = y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        p, q = y.chunk(2, dim=1)
+        z = torch.cat((self.a(p), self.b(q)), dim=1)
+        return (z, p) if self.piece_out else z
+
+
+def _shuffles(compiled_graphs):
+    nodes = [m for c in compiled_graphs for n in c.cpu_layout_graph.nodes
+             for m in (n.members if isinstance(n, ir.Segment) else [n])]
+    return sorted(tuple(n.args[1:]) for n in nodes if getattr(n, "target", None) is ops.channel_shuffle)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_a_chunk_of_a_shuffle_is_one_dense_shuffle_per_piece(fmt, amp, cpp, compiled_graphs):
+    model = ShuffleThenChunk().eval()
+    x = torch.randn(2, 3, 9, 7).to(memory_format=fmt)
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad="inference_mode", cpp=cpp)
+    assert_same(y, ref, amp)
+    assert _shuffles(compiled_graphs) == [(2, 0, 8), (2, 8, 16)]  # no whole shuffle, no split
+    if not cpp:
+        assert copies == planned_copies(compiled_graphs), compiled_graphs[0].cpu_layout_graph.plan.explain()
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+def test_a_shuffle_piece_that_is_a_result_keeps_eagers_strides(cpp, compiled_graphs):
+    model = ShuffleThenChunk(piece_out=True).eval()
+    x = torch.randn(2, 3, 9, 7)
+    ref, y, _ = compile_run(model, x, False, compiled_graphs, cpp=cpp)
+    for got, want in zip(y, ref):
+        assert_same(got, want, False)
+    assert _shuffles(compiled_graphs) == [(2, 0, 16)]  # the whole shuffle, then the split's views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["nchw", "nhwc", "strided"])
+def test_channel_shuffle_kernel_matches_atens(fmt, dtype):
+    x = torch.randn(2, 12, 5, 3).to(dtype)
+    if fmt == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif fmt == "strided":
+        x = torch.randn(2, 12, 5, 6).to(dtype)[..., ::2]
+    for groups, start, end in ((3, 0, 12), (2, 0, 6), (2, 6, 12), (4, 5, 11)):
+        want = torch.native_channel_shuffle(x.contiguous(), groups)[:, start:end]
+        got = ops.channel_shuffle(x, groups, start, end)
+        assert torch.equal(got, want)
+        assert ops.is_channels_last_dense(got) if fmt == "nhwc" else got.is_contiguous()
+    with pytest.raises(ValueError):
+        ops.channel_shuffle(x, 5)
+    with pytest.raises(ValueError):
+        ops.channel_shuffle(x, 2, 4, 13)

@@ -51,7 +51,7 @@ SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, 
             aten.mm.default, aten._unsafe_index.Tensor, aten.index.Tensor)
 _INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
 # ATen ops the shim lacks that csrc/cl_wrapper.h implements itself.
-OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default, aten.native_channel_shuffle.default)
+OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default, ops.channel_shuffle)
 # Splits run as views (clw::narrow), one per Getitem of the result.
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 # Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
@@ -130,9 +130,8 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return False
     if n.target is aten.as_strided.default:  # static sizes, strides and offset
         return not n.kwargs and 3 <= len(n.args) <= 4 and _static(n.args[1:])
-    if n.target is aten.native_channel_shuffle.default:
-        return (not n.kwargs and len(n.args) == 2 and type(n.args[1]) is int and n.args[1] > 0
-                and 3 <= n.out.rank <= 5)
+    if n.target is ops.channel_shuffle:  # csrc/shuffle.cpp, through the extension
+        return not n.kwargs and len(n.args) == 4 and _static(n.args[1:]) and 3 <= n.out.rank <= 5
     if n.target is aten.upsample_nearest2d.default:  # output size given, no scales
         return (not n.kwargs and len(n.args) == 2 and n.inputs[0].rank == 4 and _static(n.args[1])
                 and len(n.args[1]) == 2)
@@ -683,11 +682,13 @@ class _SegmentEmitter:
 
     def channel_shuffle(self, n: ir.Aten):
         out = f"t_{n.out.name}"
+        groups, start, end = (int(a) for a in n.args[1:])
         self.begin(n)
         x = self.read(n, n.args[0])
         lay = n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS
-        self.alloc(n.out, n.out.rank, f"clw::sizes({x})", out, cl=_cl(lay))
-        self.emit(f"  clw::channel_shuffle_into({out}, {x}, {int(n.args[1])});")
+        self.emit(f"  int64_t osz[{n.out.rank}]; std::copy_n(clw::sizes({x}), {n.out.rank}, osz); osz[1] = {end - start};")
+        self.alloc(n.out, n.out.rank, "osz", out, cl=_cl(lay))
+        self.emit(f"  clw::channel_shuffle_into({out}, {x}, {groups}, {start});")
         self.end(n)
 
     def const_index(self, b: ir.Buffer) -> int:
@@ -756,7 +757,7 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
             em.split(m)
         elif m.target is aten.clone.default:
             em.clone(m)
-        elif m.target is aten.native_channel_shuffle.default:
+        elif m.target is ops.channel_shuffle:
             em.channel_shuffle(m)
         elif m.target is aten.slice.Tensor:
             em.slice(m)
@@ -929,7 +930,7 @@ def build(g: ir.Graph, debug: bool = False):
     # densenet121, within noise); -O0 cost 2-5%.
     header = '#pragma GCC optimize ("Og")\n' + _csrc("cl_api.h") + _csrc("cl_wrapper.h")
     extra = header + "".join(sources) if sources else ""
-    cdef = "\n".join(cdefs + (["void cl_segment_init(uintptr_t conv, uintptr_t error);"] if sources else []))
+    cdef = "\n".join(cdefs + (["void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);"] if sources else []))
 
     # Rebuild the main graph: inputs, prologue, then segments and Python nodes in order.
     pro_node = None
@@ -985,5 +986,7 @@ def build(g: ir.Graph, debug: bool = False):
         lib = ops.lib
         library.lib.cl_segment_init(
             int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_conv_forward"))),
-            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_last_error"))))
+            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_last_error"))),
+            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_copy_strided"))),
+            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_channel_shuffle"))))
     return runners
