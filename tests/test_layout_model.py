@@ -319,18 +319,20 @@ def test_a_shuffle_piece_that_is_a_result_keeps_eagers_strides(cpp, compiled_gra
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("fmt", ["nchw", "nhwc", "nhwc_sliced", "strided"])
 def test_channel_shuffle_kernel_matches_atens(fmt, dtype):
     x = torch.randn(2, 12, 5, 3).to(dtype)
     if fmt == "nhwc":
         x = x.contiguous(memory_format=torch.channels_last)
+    elif fmt == "nhwc_sliced":  # channels innermost, pixels not one run
+        x = torch.randn(2, 12, 5, 6).to(dtype).contiguous(memory_format=torch.channels_last)[..., 1:4]
     elif fmt == "strided":
         x = torch.randn(2, 12, 5, 6).to(dtype)[..., ::2]
     for groups, start, end in ((3, 0, 12), (2, 0, 6), (2, 6, 12), (4, 5, 11)):
         want = torch.native_channel_shuffle(x.contiguous(), groups)[:, start:end]
         got = ops.channel_shuffle(x, groups, start, end)
         assert torch.equal(got, want)
-        assert ops.is_channels_last_dense(got) if fmt == "nhwc" else got.is_contiguous()
+        assert ops.is_channels_last_dense(got) if fmt == "nhwc" else got.is_contiguous()  # x's format, else NCHW
     with pytest.raises(ValueError):
         ops.channel_shuffle(x, 5)
     with pytest.raises(ValueError):
