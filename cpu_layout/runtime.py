@@ -28,7 +28,8 @@ def _planned_cl(order: str, rank: int) -> bool:
 
 
 # Layout copies the runtime made (to_order conversions, views that had to
-# copy), for tests that check them against the plan and for profiling.
+# copy; C++ segments add their conversions to the count, not to the bytes),
+# for tests that check them against the plan and for profiling.
 COPIES = {"count": 0, "bytes": 0}
 
 
@@ -436,6 +437,7 @@ class SegmentCall:
         self.library = library  # library.path[:-3] + ".cpp" is the generated source
         self.fn = getattr(library.lib, self.name)
         self.ffi = library.ffi
+        self.copies = library.lib.cl_layout_copies  # the library's layout-copy counter
         # The segment keeps its buffers between calls (clw::Pool); they go when this call does.
         weakref.finalize(self, getattr(library.lib, self.name + "_release"))
 
@@ -451,7 +453,9 @@ class SegmentCall:
         sc = ffi.new("int64_t[]", [int(s) for s in scalars] or [0])
         err = ffi.new("char[]", 1024)  # per call: segments may run in several threads at once
         SegmentCall.calls += 1
+        before = self.copies()
         rc = self.fn(handles, pack, sc, outs, err, 1024)
+        COPIES["count"] += self.copies() - before
         if rc != 0:
             raise RuntimeError(f"cpu_layout: {ffi.string(err).decode('utf-8', 'replace')}")
         return _from_handles([_capsule_new(outs[i], None, None) for i in range(self.n_outputs)])

@@ -327,9 +327,13 @@ static inline void convert_into(H& out, const H& t) {
 
 // A copy of `t` dense in the given order (layout.to_order's conversion), on
 // `pool`'s storage when given one.
+// Layout copies made (runtime.COPIES counts them as the Python wrapper's own).
+static std::atomic<long long> layout_copies{0};
+
 static inline H copy_in_order(const H& t, bool cl, Pool* pool = nullptr) {
   H out = pool ? pool->take((int)dim(t), sizes(t), cl, elsize(t)) : empty_dense((int)dim(t), sizes(t), cl, elsize(t));
   convert_into(out, t);
+  layout_copies.fetch_add(1, std::memory_order_relaxed);
   return out;
 }
 // `t` itself when it is dense in the order, else a copy held by `tmp`.
@@ -346,6 +350,7 @@ static inline const H& ordered_perm(const H& t, const int* perm, H& tmp, Pool* p
   perm_strides(nd, sizes(t), perm, st);
   tmp = pool ? pool->take(nd, sizes(t), st, elsize(t)) : empty(nd, sizes(t), st, elsize(t));
   convert_into(tmp, t);
+  layout_copies.fetch_add(1, std::memory_order_relaxed);
   return tmp;
 }
 
@@ -570,6 +575,8 @@ static int report(const std::exception& e, char* err, int errlen) {
 }
 
 }  // namespace clw
+
+extern "C" long long cl_layout_copies(void) { return clw::layout_copies.load(std::memory_order_relaxed); }
 
 extern "C" void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle) {
   clw::conv_forward = (clw::conv_fn)conv;

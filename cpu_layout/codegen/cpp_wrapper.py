@@ -930,7 +930,8 @@ def build(g: ir.Graph, debug: bool = False):
     # densenet121, within noise); -O0 cost 2-5%.
     header = '#pragma GCC optimize ("Og")\n' + _csrc("cl_api.h") + _csrc("cl_wrapper.h")
     extra = header + "".join(sources) if sources else ""
-    cdef = "\n".join(cdefs + (["void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);"] if sources else []))
+    cdef = "\n".join(cdefs + (["void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);",
+                                   "long long cl_layout_copies(void);"] if sources else []))
 
     # Rebuild the main graph: inputs, prologue, then segments and Python nodes in order.
     pro_node = None
