@@ -121,7 +121,7 @@ class Lowering:
         self.g = ir.Graph()
         self.env: Dict[FxNode, object] = {}
         self._values: Dict[FxNode, object] = {}  # _concrete's memo
-        self._shuffles: Dict[FxNode, tuple] = {}  # channel shuffles: (x, groups, channels)
+        self._shuffles: Dict[FxNode, tuple] = {}  # channel shuffles: (x, groups)
 
     # ---- helpers -------------------------------------------------------------
 
@@ -433,7 +433,7 @@ class Lowering:
                 or not L.same_sizes(vv.shape[3:], xv.shape[2:]) or not L.same_sizes(vv.shape[:1], xv.shape[:1])
                 or not L.same_sizes(nv.shape, xv.shape)):
             return None
-        self._shuffles[n] = (self.env[x], g, c_in)
+        self._shuffles[n] = (self.env[x], g)
         return self._aten(n, ir.FOLLOW, target=ops.channel_shuffle, args=(self.env[x], g, 0, c_in), kwargs={})
 
     def _shuffle_pieces(self, n: FxNode):
@@ -443,14 +443,14 @@ class Lowering:
         that a conv must copy before reading. Not when a piece is a graph output
         (eager gives it the slice's strides)."""
         src = n.args[0]
-        x, g, c = self._shuffles[src]
+        x, g = self._shuffles[src]
         dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
         vals = self._val(n)
         if (type(dim) is not int or dim % x.rank != 1 or not isinstance(vals, (list, tuple))
                 or not all(u.target is operator.getitem for u in n.users)
                 or any(uu.op == "output" for u in n.users for uu in u.users)
                 or not all(isinstance(v, torch.Tensor) and type(v.shape[1]) is int for v in vals)
-                or sum(v.shape[1] for v in vals) != c):
+                or sum(v.shape[1] for v in vals) != x.size[1]):
             return None
         items, start = {}, 0
         for i, v in enumerate(vals):

@@ -97,7 +97,7 @@ int cl_primitive_cache_capacity(void);
 /* dst = src for one tensor between two strided layouts (a layout conversion:
  * NCHW <-> NHWC and the like) on oneDNN's JIT reorder, primitives cached by
  * (dims, strides, dtype). ATen's copy_ walks a permuted copy element-wise,
- * 3-5x slower on these. dtype: CL_F32 or CL_BF16. */
+ * 2-5x slower on these. dtype: CL_F32 or CL_BF16. */
 int cl_copy_strided(uintptr_t src, uintptr_t dst, int ndims, const int64_t *dims,
                     const int64_t *src_strides, const int64_t *dst_strides, int dtype);
 

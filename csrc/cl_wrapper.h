@@ -325,11 +325,11 @@ static inline void convert_into(H& out, const H& t) {
   shim(aoti_torch_copy_(out.get(), t.get(), 0), "copy_");
 }
 
-// A copy of `t` dense in the given order (layout.to_order's conversion), on
-// `pool`'s storage when given one.
 // Layout copies made (runtime.COPIES counts them as the Python wrapper's own).
 static std::atomic<long long> layout_copies{0};
 
+// A copy of `t` dense in the given order (layout.to_order's conversion), on
+// `pool`'s storage when given one.
 static inline H copy_in_order(const H& t, bool cl, Pool* pool = nullptr) {
   H out = pool ? pool->take((int)dim(t), sizes(t), cl, elsize(t)) : empty_dense((int)dim(t), sizes(t), cl, elsize(t));
   convert_into(out, t);

@@ -1,6 +1,6 @@
 // Channel shuffle (ShuffleNet's view-transpose-contiguous-view), optionally
 // one channel range of it: the kernel both wrappers run for
-// cpu_layout.runtime.channel_shuffle. oneDNN has no such primitive, its
+// cpu_layout.ops.channel_shuffle. oneDNN has no such primitive, its
 // reorder takes the (N, C/g, g, ...) gather as a strided copy with a
 // two-element inner loop (3-4x slower than this), and ATen's
 // native_channel_shuffle cannot write one range of the result densely.

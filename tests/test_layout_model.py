@@ -235,9 +235,14 @@ class ShuffleBlock(nn.Module):
         return self.head(y.view(n, c, h, w))
 
 
+def _nodes(compiled_graphs):
+    """Every node run, segment members included."""
+    return [m for c in compiled_graphs for n in c.cpu_layout_graph.nodes
+            for m in (n.members if isinstance(n, ir.Segment) else [n])]
+
+
 def _targets(compiled_graphs):
-    nodes = [m for c in compiled_graphs for n in c.cpu_layout_graph.nodes for m in (n.members if isinstance(n, ir.Segment) else [n])]
-    return [getattr(n, "target", None) for n in nodes]
+    return [getattr(n, "target", None) for n in _nodes(compiled_graphs)]
 
 
 @pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
@@ -297,9 +302,7 @@ class ShuffleThenChunk(nn.Module):
 
 
 def _shuffles(compiled_graphs):
-    nodes = [m for c in compiled_graphs for n in c.cpu_layout_graph.nodes
-             for m in (n.members if isinstance(n, ir.Segment) else [n])]
-    return sorted(tuple(n.args[1:]) for n in nodes if getattr(n, "target", None) is ops.channel_shuffle)
+    return sorted(tuple(n.args[1:]) for n in _nodes(compiled_graphs) if getattr(n, "target", None) is ops.channel_shuffle)
 
 
 @pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
