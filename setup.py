@@ -4,9 +4,9 @@ import shutil
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-# Headers the generated cpp_wrapper code is built against; an installed
-# (non-editable) package finds them in cpu_layout/csrc/.
-RUNTIME_HEADERS = ("cl_api.h", "cl_wrapper.h")
+# Sources of the segment runtime (cpu_layout/codegen/program.py builds it on
+# first use); an installed (non-editable) package finds them in cpu_layout/csrc/.
+RUNTIME_HEADERS = ("cl_api.h", "cl_wrapper.h", "segment_vm.cpp")
 
 
 class BuildPyWithHeaders(build_py):

@@ -53,8 +53,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     debug = bool(options.get("debug", config.debug()))
     cpp = bool(options.get("cpp_wrapper", config.cpp_wrapper_default()))
     if cpp:
-        from cpu_layout.codegen import cpp_wrapper
+        from cpu_layout.codegen import cpp_wrapper, program
 
+        # Before the plan times convs: a compiler still running on another core would skew them.
+        program.runtime()
         schedule.plan(g)
         runners = cpp_wrapper.build(g, debug=debug)
     else:
@@ -98,6 +100,11 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         _fallback_warning("training graphs are not supported (compile under torch.no_grad() "
                           "or torch.inference_mode())")
         return gm.forward
+
+    if options.get("cpp_wrapper", config.cpp_wrapper_default()):
+        from cpu_layout.codegen import program
+
+        program.prefetch_runtime()  # builds while aot_autograd traces, when not cached yet
 
     def fw_compiler(fx_gm, fx_inputs):
         try:

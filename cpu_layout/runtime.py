@@ -423,7 +423,8 @@ _from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
 
 class SegmentCall:
-    """Python's side of one segment: tensors in as owned handles, results back as tensors."""
+    """Python's side of one segment: tensors in as owned handles, the segment
+    runtime runs its program, results come back as tensors."""
 
     calls = 0  # foreign calls made by all segments (tests count them)
 
@@ -433,13 +434,19 @@ class SegmentCall:
         self.fn = None
         self.ffi = None
 
-    def bind(self, library):
-        self.library = library  # library.path[:-3] + ".cpp" is the generated source
-        self.fn = getattr(library.lib, self.name)
-        self.ffi = library.ffi
-        self.copies = library.lib.cl_layout_copies  # the library's layout-copy counter
-        # The segment keeps its buffers between calls (clw::Pool); they go when this call does.
-        weakref.finalize(self, getattr(library.lib, self.name + "_release"))
+    def bind(self, program, kernels):
+        """`program`: codegen.program.Program; `kernels`: the compiled runners of
+        its kernels, in its order (their libraries stay loaded while this lives)."""
+        self.program = program
+        self.kernels = kernels
+        addresses = [int(k.library.ffi.cast("uintptr_t", k.library.ffi.addressof(k.library.lib, k.kernel.name)))
+                     for k in kernels]
+        rt, handle = program.load(addresses)
+        self.fn = functools.partial(rt.lib.cl_program_run, handle)
+        self.ffi = rt.ffi
+        self.copies = rt.lib.cl_layout_copies  # the runtime's layout-copy counter
+        # The program keeps its buffers between calls (clw::Pool); they go when this call does.
+        weakref.finalize(self, rt.lib.cl_program_free, handle)
 
     def __call__(self, acts: list, pack, *scalars):
         ffi = self.ffi

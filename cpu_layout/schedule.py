@@ -152,15 +152,16 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
         fuse.fuse_pointwise(g)
 
 
-def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str = ""):
-    """Compile the graph's kernels (and `extra_kernels`, plus any extra C++
-    with its cdef, into the same library: one compiler run) and bind every
-    node to what runs it. Returns (runners, library or None)."""
+def bind(g: ir.Graph, extra_kernels=()):
+    """Compile the graph's kernels (and `extra_kernels`, into the same library:
+    one compiler run) and bind every node to what runs it. Returns (runners,
+    {kernel spec: its compiled runner} for every kernel compiled)."""
     from cpu_layout.codegen.cpp_kernels import compile_library
 
     knodes, specs = generated(g.nodes)
-    compiled, library = compile_library(specs + list(extra_kernels), name_hint=f"graph_{len(g.nodes)}",
-                                        extra_source=extra_source, extra_cdef=extra_cdef)
+    everything = specs + list(extra_kernels)
+    compiled, _library = compile_library(everything, name_hint=f"graph_{len(g.nodes)}")
+    by_spec = dict(zip(everything, compiled))
     runners: Dict[ir.Node, object] = {}
     for n, spec, c in zip(knodes, specs, compiled):
         if isinstance(n, ir.Kernel):
@@ -184,7 +185,7 @@ def bind(g: ir.Graph, extra_kernels=(), extra_source: str = "", extra_cdef: str 
             runners[n] = n.target
         if n in runners and n.out is not None and n.out.constant:
             runners[n] = runtime.Memoized(runners[n])
-    return runners, library
+    return runners, by_spec
 
 
 def plan_and_bind(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,

@@ -1,12 +1,12 @@
-/* Run-time support for cpp_wrapper segments (cpu_layout/codegen/cpp_wrapper.py).
- *
- * Pasted into every generated segment library after the kernel preamble and
- * cl_api.h. Tensors are ATen tensors held through the C shim libtorch exports
+/* Run-time support for cpp_wrapper segments: the helpers the segment runtime
+ * (segment_vm.cpp; programs from cpu_layout/codegen/program.py) is built on,
+ * compiled with it after cl_api.h, once per machine and torch.
+ * Tensors are ATen tensors held through the C shim libtorch exports
  * for Inductor's own C++ wrapper (aoti_torch_*): allocation goes through
  * torch's CPU allocator, ATen ops the segment needs run without leaving C++,
  * and results are handed back to Python without a copy. The declarations are
  * written out here rather than included because torch's shim header pulls in
- * c10 headers that would multiply the compile time of every graph.
+ * c10 headers that would multiply the runtime's compile time.
  */
 #include <cmath>
 #include <cstdio>
@@ -194,7 +194,7 @@ static inline int64_t storage_offset(const H& t) {
 // costs page faults on every touched page of a large buffer (glibc maps and
 // unmaps big blocks on each malloc/free): resnet50's 3 MB outputs ran at
 // half speed. So a buffer that dies inside the segment, owned by no other
-// handle (codegen guarantees it: never an output, never viewed), goes back
+// handle (the encoder guarantees it: never an output, never viewed), goes back
 // here, and a later allocation of the same element size takes it (see
 // `take`): reuse within the call (a dead buffer's storage for the next
 // output) and across calls. Blocks idle for a whole call are freed, so what
@@ -301,7 +301,7 @@ class PoolLease {
 };
 
 // A tensor handed to a segment has the dtype, rank and static sizes it was
-// compiled for (-1: a symbolic size): generated code trusts them after this.
+// compiled for (-1: a symbolic size): its program trusts them after this.
 static inline void expect(const H& t, int es, int nd, const int64_t* want, const char* name) {
   if (dim(t) != nd) fail(std::string(name) + ": expected " + std::to_string(nd) + " dims, got " +
                          std::to_string(dim(t)));

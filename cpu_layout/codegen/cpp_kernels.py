@@ -1048,20 +1048,17 @@ def _bad_dim(d, ndim):
     raise ValueError(f"reduce dim {d} out of range for ndim {ndim}")
 
 
-def compile_library(kernels, name_hint: str = "graph", extra_source: str = "", extra_cdef: str = ""):
-    """Compile several kernels, and optionally more C++ that calls them, into one shared library
-    (one compiler run instead of one per kernel: most of a graph's compile time otherwise).
-    Returns (runners in order, the library or None); equal kernels share one symbol."""
+def compile_library(kernels, name_hint: str = "graph"):
+    """Compile several kernels into one shared library (one compiler run instead
+    of one per kernel: most of a graph's compile time otherwise). Returns
+    (runners in order, the library or None); equal kernels share one symbol."""
     unique = list(dict.fromkeys(kernels))
-    todo = [k for k in unique if k._compiled is None or extra_source]
+    todo = [k for k in unique if k._compiled is None]
     library = None
-    if todo or extra_source:
-        source = "".join(k.source() for k in todo) + extra_source
-        if not todo:
-            source = PREAMBLE.replace("@PAR_MIN@", str(PARALLEL_MIN_NUMEL)) + source
-        cdef = "\n".join([k.cdef() for k in todo] + ([extra_cdef] if extra_cdef else []))
-        flags = build.CXXFLAGS + (build.torch_link_flags() if extra_source else ())
-        library = build.load_library(source, cdef, name_hint=name_hint, flags=flags)
+    if todo:
+        source = "".join(k.source() for k in todo)
+        cdef = "\n".join(k.cdef() for k in todo)
+        library = build.load_library(source, cdef, name_hint=name_hint, flags=build.CXXFLAGS)
         for k in todo:
             k._compiled = k._runner(k, library)
     by_key = {k: k._compiled for k in unique}

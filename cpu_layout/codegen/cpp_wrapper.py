@@ -1,4 +1,4 @@
-"""cpp_wrapper mode: the graph's work as C++ functions, entered once each per forward.
+"""cpp_wrapper mode: the graph's work in C++ segments, each entered once per forward.
 
 After planning and fusion the graph is rewritten into three parts:
 
@@ -8,8 +8,9 @@ After planning and fusion the graph is rewritten into three parts:
   counter changed, and then also packs the constants each segment reads
   (address, weight serial, version) into one int64 array per segment.
 * **segments**: maximal runs of nodes that can run in C++ (the rule is
-  `runs_in_cpp`), each emitted as one `extern "C"` function in one library
-  with the graph's kernels. Tensors cross the boundary as ATen tensor
+  `runs_in_cpp`), each encoded as a program for the precompiled segment
+  runtime (codegen/program.py, csrc/segment_vm.cpp); only the graph's fused
+  kernels are compiled per graph. Tensors cross the boundary as ATen tensor
   handles: activations handed over (the segment owns and frees them),
   results handed back without a copy.
 * **Python nodes** between segments: ATen ops the C shim has no entry for.
@@ -22,12 +23,11 @@ not viewed) go back to the segment's pool (`clw::Pool`), and later
 allocations that fit take them, in this call and the next: no page faults
 for fresh memory on each forward, peak memory the schedule's. Sizes are computed at run
 time: convs, kernels and reductions from their inputs' sizes, views from the
-symbolic sizes (codegen.sizes), so a new batch size runs without recompiling.
+symbolic sizes (codegen.sizes: postfix tokens), so a new batch size runs without recompiling.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -37,13 +37,11 @@ from cpu_layout.lower import permutation_of
 from cpu_layout.schedule import _pair, pool_window
 from cpu_layout import layout as L
 from cpu_layout import ops, runtime
+from cpu_layout.codegen import program as P
 from cpu_layout.codegen import sizes as S
-from cpu_layout.codegen.cpp_kernels import float_literal
 
 aten = torch.ops.aten
 
-_ES = {torch.float32: 4, torch.bfloat16: 2}
-_CL_DTYPE = {torch.float32: "CL_F32", torch.bfloat16: "CL_BF16"}
 VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
             aten.transpose.int, aten.unsqueeze.default)
 # ATen ops a segment runs through libtorch's C shim (aoti_torch_cpu_*).
@@ -54,25 +52,7 @@ _INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
 OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default, ops.channel_shuffle)
 # Splits run as views (clw::narrow), one per Getitem of the result.
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
-# Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
-_HELD_ES = {**_ES, torch.int64: 8}
-
-
-def _csrc(name: str) -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, "..", "..", "csrc"), os.path.join(here, "..", "csrc")):
-        path = os.path.join(d, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                return f.read()
-    raise FileNotFoundError(f"cpp_wrapper needs csrc/{name} (install cpu_layout from its source tree)")
-
-
 # ---- which nodes run in C++ ------------------------------------------------------
-
-def _float_tensor(b) -> bool:
-    return isinstance(b, ir.Buffer) and b.is_tensor and b.dtype in _ES
-
 
 def _static(v) -> bool:
     if isinstance(v, (list, tuple)):
@@ -80,7 +60,7 @@ def _static(v) -> bool:
     return v is None or type(v) in (int, float, bool)
 
 
-def _weight_format(b: ir.Buffer) -> Optional[int]:
+def weight_format(b: ir.Buffer) -> Optional[int]:
     """oneDNN's w_cl flag for a constant weight in its eager strides, None if neither dense form."""
     if L.same_sizes(b.eager_stride, L.contiguous_strides(b.size)):
         return 0
@@ -100,33 +80,33 @@ def runs_in_cpp(n: ir.Node) -> bool:
     integer tensors) is a Python node between segments."""
     if isinstance(n, ir.Conv):
         w = n.weight
-        return (n.bn is None and w.constant and _weight_format(w) is not None
-                and all(_float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
+        return (n.bn is None and w.constant and weight_format(w) is not None
+                and all(P.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
                 and (n.bias is None or n.bias.constant))
     if isinstance(n, ir.Kernel):
-        return all(_float_tensor(b) for b in n.inputs) and n.out.rank <= 16
+        return all(P.float_tensor(b) for b in n.inputs) and n.out.rank <= 16
     if isinstance(n, ir.Reduction):
-        return _float_tensor(n.inputs[0])
+        return P.float_tensor(n.inputs[0])
     if isinstance(n, ir.LayerNorm):
-        return all(_float_tensor(b) for b in n.inputs)
+        return all(P.float_tensor(b) for b in n.inputs)
     if isinstance(n, ir.Getitem):
         src = n.inputs[0].producer
         return isinstance(src, ir.Aten) and src.target in SPLIT_OPS and runs_in_cpp(src)
     if isinstance(n, ir.Aten) and n.target in SPLIT_OPS:
-        return (_float_tensor(n.inputs[0]) and split_piece(n, 0) is not None
+        return (P.float_tensor(n.inputs[0]) and split_piece(n, 0) is not None
                 and all(isinstance(u, ir.Getitem) for u in n.out.users))
     if isinstance(n, ir.Aten) and n.target is aten.slice.Tensor:
-        return _float_tensor(n.inputs[0]) and _float_tensor(n.out) and slice_range(n) is not None
+        return P.float_tensor(n.inputs[0]) and P.float_tensor(n.out) and slice_range(n) is not None
     if isinstance(n, ir.Aten) and n.target is aten.clone.default:
-        return (set(n.kwargs) <= {"memory_format"} and len(n.args) == 1 and _float_tensor(n.inputs[0])
-                and _float_tensor(n.out) and clone_order(n) is not None)
-    if not isinstance(n, ir.Aten) or n.multi or not _float_tensor(n.out):
+        return (set(n.kwargs) <= {"memory_format"} and len(n.args) == 1 and P.float_tensor(n.inputs[0])
+                and P.float_tensor(n.out) and clone_order(n) is not None)
+    if not isinstance(n, ir.Aten) or n.multi or not P.float_tensor(n.out):
         return False
     if n.target in _INDEX_OPS:  # x[..., idx, idx]: float data, integer index tensors
         idx = n.args[1] if len(n.args) > 1 else None
-        return (not n.kwargs and _float_tensor(n.args[0]) and isinstance(idx, (list, tuple))
+        return (not n.kwargs and P.float_tensor(n.args[0]) and isinstance(idx, (list, tuple))
                 and all(i is None or (isinstance(i, ir.Buffer) and i.dtype == torch.int64) for i in idx))
-    if not all(_float_tensor(b) for b in n.inputs if b.is_tensor):
+    if not all(P.float_tensor(b) for b in n.inputs if b.is_tensor):
         return False
     if n.target is aten.as_strided.default:  # static sizes, strides and offset
         return not n.kwargs and 3 <= len(n.args) <= 4 and _static(n.args[1:])
@@ -137,7 +117,7 @@ def runs_in_cpp(n: ir.Node) -> bool:
                 and len(n.args[1]) == 2)
     if n.target in VIEW_OPS:
         try:
-            [S.cexpr(s) for s in n.out.size]
+            [S.rpn(s, lambda sym: 0) for s in n.out.size]
         except NotImplementedError:
             return False
         return n.target in (aten.view.default, aten._unsafe_view.default) or _static(n.args[1:])
@@ -240,478 +220,20 @@ def _hoist_batch_norm(g: ir.Graph) -> None:
         conv.weight, conv.bias, conv.bn, conv.prefolded = new_w, new_b, None, bn
 
 
-# ---- C++ emission --------------------------------------------------------------------
+# ---- segment programs ------------------------------------------------------------------
 
-def _cl(order) -> str:
-    return "true" if order == L.CHANNELS_LAST else "false"
-
-
-def _static_strides(b: ir.Buffer) -> tuple:
-    if b.layout in L.LABELS:
-        return L.strides_for_order(b.size, b.layout)
-    return b.eager_stride
-
-
-def _arr(xs) -> str:
-    xs = list(xs)
-    return "{" + ", ".join(str(int(x)) for x in xs) + "}" if xs else "{0}"
-
-
-class _SegmentEmitter:
-    """C++ statements of one segment; `var` names each buffer's handle."""
-
-    def __init__(self, kernels: Dict[ir.Node, object], consts: List[ir.Buffer], outs: List[ir.Buffer],
-                 last_use: Dict[ir.Buffer, ir.Node]):
-        self.kernels = kernels
-        self.consts = consts
-        self.last_use = last_use
-        self.outs = set(outs)  # handed to the caller: fresh storage, never the pool's
-        self.lines: List[str] = []
-        self.var: Dict[ir.Buffer, str] = {}
-        self.fresh = set()   # buffers this segment allocated (may go back to its pool)
-        self.aliased = set()  # buffers some view aliases
-        self.aliased_reads = set()  # conversions some view aliases
-        # A view's storage is its root's: the root goes back to the pool when it and every
-        # view of it died (`live_views`), unless some view escapes the segment.
-        # A view that reads a conversion aliases the copy (or the buffer itself, when it
-        # already was in order): such copies wait in `view_copies` for the root's views.
-        self.root: Dict[ir.Buffer, ir.Buffer] = {}
-        self.live_views: Dict[ir.Buffer, set] = {}
-        self.view_copies: Dict[ir.Buffer, List[str]] = {}
-        self.unpoolable = set()
-        self.converted: Dict[tuple, str] = {}  # (buffer, order) -> handle in that order
-
-    def emit(self, s: str):
-        self.lines.append("    " + s)
-
-    def v(self, b: ir.Buffer) -> str:
-        return self.var[b]
-
-    def begin(self, n: ir.Node):
-        """Declare the node's output handle and open its block."""
-        self.emit(f"// {n.name}: {type(n).__name__}")
-        self.emit(f"clw::H t_{n.out.name};")
-        self.emit("{")
-
-    def end(self, n: ir.Node):
-        self.var[n.out] = f"t_{n.out.name}"
-        self.emit("}")
-
-    def alloc(self, out: ir.Buffer, nd: int, sz: str, var: str = "clw::H tmp_out", cl=None):
-        """`var` = the output, dense in its planned layout (or `cl`), on pooled storage when some fits."""
-        self.fresh.add(out)
-        cl = _cl(out.layout) if cl is None else cl
-        if out in self.outs:
-            self.emit(f"  {var} = clw::empty_dense({nd}, {sz}, {cl}, {_ES[out.dtype]});")
-        else:
-            self.emit(f"  {var} = clw_pool->take({nd}, {sz}, {cl}, {_ES[out.dtype]});")
-
-    def convert_reads(self, keys):
-        """Before a node, at segment scope: the inputs it reads in another order
-        (`keys`: (buffer, order) pairs from `wrapper.conversions`), each converted
-        once and shared with later readers; `release_reads` frees it after the last."""
-        for key in keys:
-            if key in self.converted:
-                continue
-            b, order = key
-            tmp = f"r{len(self.converted)}_{b.name}"
-            self.converted[key] = tmp
-            if isinstance(order, tuple):  # eager's own permutation of the dims
-                self.emit(f"const int {tmp}_p[] = {{{', '.join(map(str, order))}}};")
-                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered_perm({self.v(b)}, {tmp}_p, {tmp}_c, clw_pool.get());")
-            else:
-                self.emit(f"clw::H {tmp}_c; const clw::H& {tmp} = clw::ordered({self.v(b)}, {_cl(order)}, {tmp}_c, clw_pool.get());")
-
-    def release_reads(self, keys, last_conv: Dict[tuple, ir.Node], n: ir.Node):
-        for key in dict.fromkeys(keys):
-            if last_conv[key] is n:
-                copy = f"{self.converted[key]}_c"
-                root = self.root.get(key[0], key[0])
-                if key in self.aliased_reads and self.live_views.get(root):
-                    self.view_copies.setdefault(root, []).append(copy)  # views of it still live
-                elif key in self.aliased_reads and root in self.unpoolable:
-                    self.emit(f"{copy}.reset();")
-                else:
-                    self.emit(f"clw_pool->give(std::move({copy}));")
-
-    def read(self, n: ir.Node, b: ir.Buffer) -> str:
-        """A handle of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
-        from cpu_layout.codegen.wrapper import _required
-
-        order = _required(n, b)
-        return self.v(b) if order is None else self.converted[(b, order)]
-
-    def read_aliased(self, n: ir.Node, b: ir.Buffer) -> str:
-        """`read` for a node whose output aliases the handle read: neither storage is pooled."""
-        from cpu_layout.codegen.wrapper import _required
-
-        self.aliased.add(b)
-        order = _required(n, b)
-        if order is not None:
-            self.aliased_reads.add((b, order))
-        # The view aliases the conversion, or `b` itself when it already was in that order:
-        # either way the root is free once the view died too.
-        self.view_of(n.out, b)
-        return self.read(n, b)
-
-    def view_of(self, view: ir.Buffer, b: ir.Buffer):
-        root = self.root.get(b, b)
-        self.root[view] = root
-        members = self.live_views.setdefault(root, {root})
-        if view in self.outs or self.last_use.get(view) is None:
-            self.unpoolable.add(root)  # escapes, or no reader to mark its death
-        members.add(view)
-
-    def release(self, b: ir.Buffer):
-        """`b` died: to the pool when this segment allocated it and nothing else refers to it
-        (a root once its views died too), else its handle is dropped."""
-        root = self.root.get(b, b)
-        members = self.live_views.get(root)
-        if members is None:  # never viewed
-            if b in self.fresh and _float_tensor(b):
-                self.emit(f"clw_pool->give(std::move({self.v(b)}));")
-            else:
-                self.emit(f"{self.v(b)}.reset();")
-            return
-        members.discard(b)
-        if b is not root:
-            self.emit(f"{self.v(b)}.reset();")
-        if members:
-            return  # the root's handle stays until its last view died
-        poolable = root not in self.unpoolable
-        if root in self.fresh and poolable and _float_tensor(root):
-            self.emit(f"clw_pool->give(std::move({self.v(root)}));")
-        else:
-            self.emit(f"{self.v(root)}.reset();")
-        for copy in self.view_copies.pop(root, []):
-            self.emit(f"clw_pool->give(std::move({copy}));" if poolable else f"{copy}.reset();")
-
-    # each returns the C++ statements (inside braces) for one node
-    def conv(self, n: ir.Conv):
-        nsp = n.x.rank - 2
-        dst_cl = n.out.layout == L.CHANNELS_LAST
-        wi = self.const_index(n.weight)
-        bi = self.const_index(n.bias) if n.bias is not None else None
-        post = [("add", torch.empty(0)) if isinstance(p, tuple) and p[0] == "add" else p for p in n.post_ops]
-        parsed = ops._parse_post_ops(post)
-        residuals = [p[1] for p in n.post_ops if isinstance(p, tuple) and p[0] == "add"]
-        k = n.weight.size[2:]
-        e = self.emit
-        self.begin(n)
-        x = self.read(n, n.x)
-        e(f"  const clw::H* xs = &{x}; clw::H xc; bool scl = {str(dst_cl).lower()};")
-        e(f"  if (!clw::dense_in({x}, scl)) {{ if (clw::dense_in({x}, !scl)) scl = !scl; "
-          f"else {{ xc = clw::copy_in_order({x}, scl); xs = &xc; }} }}")
-        e("  const int64_t* xsz = clw::sizes(*xs);")
-        e("  cl_conv_args a; std::memset(&a, 0, sizeof a);")
-        e(f"  a.nsp = {nsp}; a.dtype = {_CL_DTYPE[n.x.dtype]}; a.bias_dtype = {_CL_DTYPE[n.x.dtype]};")
-        e(f"  a.has_bias = {int(n.bias is not None)}; a.src_cl = scl; a.dst_cl = {int(dst_cl)}; "
-          f"a.w_cl = {_weight_format(n.weight)};")
-        e(f"  a.n = xsz[0]; a.ic = xsz[1]; a.oc = {int(n.weight.size[0])}; a.groups = {n.groups};")
-        ic = int(n.weight.size[1]) * n.groups
-        e(f"  if (a.ic != {ic}) clw::fail(\"{n.name}: input has \" + std::to_string(a.ic) + "
-          f"\" channels, the weight expects {ic}\");")
-        for i in range(nsp):
-            kk, s, p, d = int(k[i]), n.stride[i], n.padding[i], n.dilation[i]
-            e(f"  a.in_sp[{i}] = xsz[{2 + i}]; a.k_sp[{i}] = {kk}; a.stride[{i}] = {s}; "
-              f"a.pad_l[{i}] = a.pad_r[{i}] = {p}; a.dilation[{i}] = {d};")
-            e(f"  a.out_sp[{i}] = (xsz[{2 + i}] + {2 * p} - {d * (kk - 1) + 1}) / {s} + 1;")
-            e(f"  if (xsz[{2 + i}] + {2 * p} < {d * (kk - 1) + 1}) clw::fail(\"{n.name}: kernel larger "
-              f"than the padded input\");")
-        e(f"  a.n_post_ops = {len(parsed)};")
-        for i, (kind, alpha, beta, _) in enumerate(parsed):
-            e(f"  a.post_ops[{i}].kind = {kind}; a.post_ops[{i}].alpha = {float_literal(alpha)}; "
-              f"a.post_ops[{i}].beta = {float_literal(beta)};")
-        dims = ", ".join(["a.n", "a.oc"] + [f"a.out_sp[{i}]" for i in range(nsp)])
-        e(f"  const int64_t osz[] = {{{dims}}};")
-        inplace = self.inplace_residual(n, residuals)
-        if inplace is not None:
-            # The output takes over the dying residual's storage: oneDNN's sum post-op adds in place.
-            e(f"  clw::H tmp_out = clw::take_over({self.v(inplace)}, {nsp + 2}, osz, {str(dst_cl).lower()});")
-            e("  const bool inplace = static_cast<bool>(tmp_out);")
-            self.alloc(n.out, nsp + 2, "osz", "if (!inplace) tmp_out")
-        else:
-            self.alloc(n.out, nsp + 2, "osz")
-        res_names = []
-        for j, r in enumerate(residuals):
-            rv = self.read(n, r)
-            conv_r = f"clw::ordered({rv}, {str(dst_cl).lower()}, res{j}_c)"
-            if j == 0 and inplace is not None:
-                conv_r = f"(inplace ? tmp_out : {conv_r})"
-            e(f"  clw::H res{j}_c; const clw::H& res{j} = {conv_r};")
-            e(f"  if (clw::dim(res{j}) != {nsp + 2} || !std::equal(osz, osz + {nsp + 2}, clw::sizes(res{j})))")
-            e(f"    clw::fail(\"{n.name}: the residual does not have the output's size\");")
-            res_names.append(f"clw::addr(res{j})")
-        e(f"  const uintptr_t res[] = {{{', '.join(res_names) or '0'}}};")
-        bias = f"(uintptr_t)consts[{3 * bi}]" if bi is not None else "0"
-        # An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
-        e(f"  if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts[{3 * wi}], "
-          f"(unsigned long long)consts[{3 * wi + 1}], consts[{3 * wi + 2}], {bias}, clw::addr(tmp_out), "
-          f"{'res' if residuals else 'nullptr'}))")
-        e(f"    clw::fail(std::string(\"{n.name}: \") + clw::conv_error());")
-        e(f"  t_{n.out.name} = std::move(tmp_out);")
-        self.end(n)
-
-    def inplace_residual(self, n: ir.Conv, residuals: List[ir.Buffer]) -> Optional[ir.Buffer]:
-        """The first residual when the conv's output may take over its storage: the
-        segment allocated it, nothing else refers to it, and it dies at this conv."""
-        from cpu_layout.codegen.wrapper import _required
-
-        if not residuals:
-            return None
-        r = residuals[0]
-        ok = (r in self.fresh and r not in self.aliased and r not in self.outs and n.out not in self.outs
-              and self.last_use.get(r) is n and r is not n.x and residuals.count(r) == 1
-              and r.dtype == n.out.dtype and _required(n, r) in (None, r.layout))  # no copy planned
-        return r if ok else None
-
-    def kernel(self, n: ir.Kernel):
-        spec = self.kernels[n]
-        nd, ni = n.out.rank, len(n.inputs)
-        e = self.emit
-        self.begin(n)
-        ins = [self.v(b) for b in n.inputs]
-        e(f"  const clw::H* ins[] = {{{', '.join('&' + i for i in ins)}}};")
-        e(f"  int64_t sz[{max(nd, 1)}]; clw::broadcast_sizes(ins, {ni}, {nd}, sz);")
-        self.alloc(n.out, nd, "sz")
-        e(f"  int64_t st[{max((ni + 1) * nd, 1)}];")
-        for i, name in enumerate(ins):
-            e(f"  clw::broadcast_strides({name}, {nd}, sz, st + {i * nd});")
-        e(f"  {{ const int64_t* os = clw::strides(tmp_out); for (int d = 0; d < {nd}; ++d) "
-          f"st[{ni * nd} + d] = os[d]; }}")
-        e(f"  void* const d[] = {{{', '.join(f'clw::data({i})' for i in ins)}, clw::data(tmp_out)}};")
-        e(f"  {spec.name}(sz, d, st);")
-        e(f"  t_{n.out.name} = std::move(tmp_out);")
-        self.end(n)
-
-    def reduction(self, n: ir.Reduction):
-        spec = self.kernels[n]
-        x = n.inputs[0]
-        nd, ond = x.rank, n.out.rank
-        e = self.emit
-        self.begin(n)
-        xv = self.v(x)
-        e(f"  const int64_t* xs = clw::sizes({xv});")
-        if n.kind in ("amax", "amin"):
-            cond = " || ".join(f"xs[{d}] == 0" for d in n.dims)
-            e(f"  if ({cond}) clw::fail(\"{n.name}: {n.kind} over an empty dimension has no identity\");")
-        osz = [("1" if d in n.dims else f"xs[{d}]") for d in range(nd) if n.keepdim or d not in n.dims]
-        e(f"  const int64_t osz[] = {{{', '.join(osz) or '1'}}};")
-        self.alloc(n.out, ond, "osz")
-        e(f"  int64_t st[{2 * nd}]; const int64_t* xst = clw::strides({xv});")
-        e(f"  const int64_t* os = clw::strides(tmp_out);")
-        e(f"  for (int d = 0; d < {nd}; ++d) {{ st[d] = xst[d]; st[{nd} + d] = 0; }}")
-        j = 0
-        for d in range(nd):
-            if d not in n.dims:
-                e(f"  st[{nd + d}] = xs[{d}] != 1 ? os[{j}] : 0;")
-            if n.keepdim or d not in n.dims:
-                j += 1
-        e(f"  void* const d[] = {{clw::data({xv}), clw::data(tmp_out)}};")
-        e(f"  {spec.name}(xs, d, st);")
-        e(f"  t_{n.out.name} = std::move(tmp_out);")
-        self.end(n)
-
-    def layer_norm(self, n: ir.LayerNorm):
-        spec = self.kernels[n]
-        e = self.emit
-        self.begin(n)
-        x = self.read(n, n.x)
-        nd = n.x.rank
-        e(f"  const int64_t* xs = clw::sizes({x});")
-        e(f"  int64_t rc[2] = {{1, 1}}; for (int d = 0; d < {nd}; ++d) rc[d < {nd - n.n_norm} ? 0 : 1] *= xs[d];")
-        e("  {")
-        self.alloc(n.out, nd, "xs", cl="false")
-        params = [self.v(b) for b in (n.weight, n.bias) if b is not None]
-        for b, p in zip([b for b in (n.weight, n.bias) if b is not None], params):
-            e(f"  if (clw::numel({p}) != rc[1] || !clw::dense_in({p}, false)) "
-              f"clw::fail(\"{n.name}: layer_norm {b.name} is not dense with the normalised size\");")
-        data = [f"clw::data({x})"] + [f"clw::data({p})" for p in params] + ["clw::data(tmp_out)"]
-        e(f"  void* const d[] = {{{', '.join(data)}}};")
-        e(f"  if (rc[0] * rc[1] > 0) {spec.name}(rc, d, nullptr);")
-        e(f"  t_{n.out.name} = std::move(tmp_out); }}")
-        self.end(n)
-
-    def aten_op(self, n: ir.Aten):
-        t, a = n.target, n.args
-        out = f"t_{n.out.name}"
-        e = self.emit
-        self.begin(n)
-        if t in VIEW_OPS:
-            x = self.read_aliased(n, a[0])
-            perm = permutation_of(t, a, a[0].rank)
-            if t in (aten.view.default, aten._unsafe_view.default):
-                dims = ", ".join(S.cexpr(s) for s in n.out.size)
-                e(f"  const int64_t nsz[] = {{{dims or '1'}}};")
-                e(f"  {out} = clw::reshape({x}, {n.out.rank}, nsz);")
-            elif perm is not None:
-                e(f"  const int perm[] = {{{', '.join(map(str, perm))}}};")
-                e(f"  {out} = clw::permute({x}, {a[0].rank}, perm);")
-            else:  # unsqueeze
-                d = a[1] % (a[0].rank + 1)
-                e(f"  {out} = clw::unsqueeze({x}, {d});")
-            lay = n.out.layout
-            if isinstance(lay, tuple):  # the plan's order: a no-op when the alias already is
-                e(f"  {{ const int p[] = {{{', '.join(map(str, lay))}}}; clw::H c; "
-                  f"const clw::H& r = clw::ordered_perm({out}, p, c); if (&r == &c) {out} = std::move(c); }}")
-            elif lay in L.LABELS:
-                e(f"  {{ clw::H c; const clw::H& r = clw::ordered({out}, {_cl(lay)}, c); "
-                  f"if (&r == &c) {out} = std::move(c); }}")
-        elif n in self.kernels:  # a pool on the generated channels-last kernel
-            spec = self.kernels[n]
-            x = self.read(n, a[0])
-            e(f"  const int64_t* xs = clw::sizes({x});")
-            dims = [f"xs[{i}]" for i in range(4)]
-            for d, (k, st, p, dl) in enumerate(zip(spec.kernel, spec.stride, spec.padding, spec.dilation)):
-                o = f"(xs[{2 + d}] + {2 * p - dl * (k - 1) - 1 + (st - 1 if spec.ceil_mode else 0)}) / {st} + 1"
-                e(f"  int64_t o{d} = {o};")
-                if spec.ceil_mode:
-                    e(f"  if ((o{d} - 1) * {st} >= xs[{2 + d}] + {p}) o{d} -= 1;")
-                dims.append(f"o{d}")
-            e(f"  const int64_t sz[] = {{{', '.join(dims)}}};")
-            e(f"  const int64_t osz[] = {{xs[0], xs[1], o0, o1}};")
-            self.alloc(n.out, 4, "osz", out, cl="true")
-            e(f"  void* const d[] = {{clw::data({x}), clw::data({out})}};")
-            e(f"  {spec.name}(sz, d, nullptr);")
-        elif t is aten.max_pool2d.default:
-            x = self.read(n, a[0])
-            k, st, pad = pool_window(a)
-            dil = _pair(a[4] if len(a) > 4 else 1)
-            ceil = int(bool(a[5])) if len(a) > 5 else 0
-            e(f"  const int64_t k[] = {_arr(k)}, s[] = {_arr(st)}, p[] = {_arr(pad)}, dl[] = {_arr(dil)};")
-            e("  AtenTensorHandle o, idx;")
-            e(f"  clw::shim(aoti_torch_cpu_max_pool2d_with_indices({x}.get(), k, 2, s, 2, p, 2, dl, 2, "
-              f"{ceil}, &o, &idx), \"{n.name}: max_pool2d\");")
-            e(f"  clw::H drop(idx); {out} = clw::H(o);")
-        elif t is aten.avg_pool2d.default:
-            x = self.read(n, a[0])
-            k, st, pad = pool_window(a)
-            ceil = int(bool(a[4])) if len(a) > 4 else 0
-            incl = int(bool(a[5])) if len(a) > 5 else 1
-            div = a[6] if len(a) > 6 else None
-            e(f"  const int64_t k[] = {_arr(k)}, s[] = {_arr(st)}, p[] = {_arr(pad)};")
-            if div is not None:
-                e(f"  int64_t div = {int(div)};")
-            e("  AtenTensorHandle o;")
-            e(f"  clw::shim(aoti_torch_cpu_avg_pool2d({x}.get(), k, 2, s, 2, p, 2, {ceil}, {incl}, "
-              f"{'&div' if div is not None else 'nullptr'}, &o), \"{n.name}: avg_pool2d\");")
-            e(f"  {out} = clw::H(o);")
-        elif t is aten.cat.default and own_cat(n):
-            parts = [self.read(n, b) for b in a[0]]
-            dim = (a[1] if len(a) > 1 else 0) % n.out.rank
-            e(f"  const clw::H* parts[] = {{{', '.join('&' + p for p in parts)}}};")
-            e(f"  int64_t osz[{n.out.rank}]; clw::cat_sizes(parts, {len(parts)}, {dim}, osz);")
-            self.alloc(n.out, n.out.rank, "osz", out)
-            e(f"  clw::cat_into({out}, parts, {len(parts)}, {dim}, {_cl(n.out.layout)});")
-        elif t is aten.cat.default:
-            parts = [self.read(n, b) for b in a[0]]
-            dim = a[1] if len(a) > 1 else 0
-            e(f"  const AtenTensorHandle parts[] = {{{', '.join(p + '.get()' for p in parts)}}};")
-            e("  AtenTensorHandle o;")
-            e(f"  clw::shim(aoti_torch_cpu_cat(parts, {len(parts)}, {dim}, &o), \"{n.name}: cat\");")
-            e(f"  {out} = clw::H(o);")
-        elif t is aten.as_strided.default:  # over eager's layout of its input (its read rule)
-            x = self.read_aliased(n, a[0])
-            off = -1 if len(a) < 4 or a[3] is None else int(a[3])
-            e(f"  const int64_t sz[] = {_arr(a[1])}, st[] = {_arr(a[2])};")
-            e(f"  {out} = clw::as_strided({x}, {len(a[1])}, sz, st, {off});")
-        elif t is aten.upsample_nearest2d.default:
-            cl = _cl(n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS)
-            x = self.read(n, a[0])
-            e(f"  {out} = clw::upsample_nearest2d({x}, {int(a[1][0])}, {int(a[1][1])}, {cl});")
-            self.fresh.add(n.out)
-        elif t in _INDEX_OPS:
-            x = self.read(n, a[0])
-            ptrs = []
-            for j, i in enumerate(a[1]):
-                if i is None:
-                    ptrs.append("nullptr")
-                else:
-                    e(f"  AtenTensorHandle i{j} = {self.v(i)}.get();")
-                    ptrs.append(f"&i{j}")
-            e(f"  const AtenTensorHandle* idx[] = {{{', '.join(ptrs)}}};")
-            e("  AtenTensorHandle o;")
-            e(f"  clw::shim(aoti_torch_cpu_index_Tensor({x}.get(), idx, {len(ptrs)}, &o), \"{n.name}: index\");")
-            e(f"  {out} = clw::H(o);")
-        else:  # addmm / mm
-            mm = t is aten.mm.default
-            names = [self.read(n, b) for b in (a[:2] if mm else a[:3])]
-            m1, m2 = (names[0], names[1]) if mm else (names[1], names[2])
-            e(f"  const int64_t osz[] = {{clw::sizes({m1})[0], clw::sizes({m2})[1]}};")
-            self.alloc(n.out, 2, "osz", out, cl="false")
-            if mm:
-                e(f"  clw::shim(aoti_torch_cpu_mm_out({out}.get(), {m1}.get(), {m2}.get()), \"{n.name}: mm\");")
-            else:
-                beta = float(a[3]) if len(a) > 3 else 1.0
-                alpha = float(a[4]) if len(a) > 4 else 1.0
-                e(f"  clw::shim(aoti_torch_cpu_addmm_out({out}.get(), {names[0]}.get(), {m1}.get(), "
-                  f"{m2}.get(), {beta!r}, {alpha!r}), \"{n.name}: addmm\");")
-        if t in (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default) + _INDEX_OPS:
-            self.fresh.add(n.out)
-        self.end(n)
-
-    def split(self, n: ir.Aten):
-        """A handle of the input that the pieces view (the tuple itself is never materialised)."""
-        x = self.read_aliased(n, n.args[0])
-        self.emit(f"// {n.name}: split")
-        self.emit(f"clw::H t_{n.out.name} = clw::alias({x}, (int)clw::dim({x}), clw::sizes({x}), clw::strides({x}));")
-        self.var[n.out] = f"t_{n.out.name}"
-
-    def split_piece(self, n: ir.Getitem):
-        dim, start, end = split_piece(n.inputs[0].producer, n.index)
-        self.begin(n)
-        self.view_of(n.out, n.inputs[0])
-        self.emit(f"  t_{n.out.name} = clw::slice({self.v(n.inputs[0])}, {dim}, {start}, {end});")
-        self.end(n)
-
-    def slice(self, n: ir.Aten):
-        dim, start, end = slice_range(n)
-        self.begin(n)
-        x = self.read_aliased(n, n.args[0])
-        end = "INT64_MAX" if end is None else int(end)
-        self.emit(f"  t_{n.out.name} = clw::slice({x}, {dim}, {int(start)}, {end});")
-        self.end(n)
-
-    def clone(self, n: ir.Aten):
-        out = f"t_{n.out.name}"
-        self.begin(n)
-        x = self.read(n, n.args[0])
-        self.alloc(n.out, n.out.rank, f"clw::sizes({x})", out, cl=_cl(clone_order(n)))
-        self.emit(f"  clw::copy_into({out}, {x});")
-        self.end(n)
-
-    def channel_shuffle(self, n: ir.Aten):
-        out = f"t_{n.out.name}"
-        groups, start, end = (int(a) for a in n.args[1:])
-        self.begin(n)
-        x = self.read(n, n.args[0])
-        lay = n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS
-        self.emit(f"  int64_t osz[{n.out.rank}]; std::copy_n(clw::sizes({x}), {n.out.rank}, osz); osz[1] = {end - start};")
-        self.alloc(n.out, n.out.rank, "osz", out, cl=_cl(lay))
-        self.emit(f"  clw::channel_shuffle_into({out}, {x}, {groups}, {start});")
-        self.end(n)
-
-    def const_index(self, b: ir.Buffer) -> int:
-        return self.consts.index(b)
-
-
-
-
-_SIGNATURE = ("const uintptr_t* in, const int64_t* consts, const int64_t* scalars, uintptr_t* out, "
-              "char* err, int errlen")
-
-
-def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[ir.Buffer],
-                  sym_src, last_use: Dict[ir.Buffer, ir.Node], debug: bool) -> str:
-    em = _SegmentEmitter(kernels, consts, outs, last_use)
+def _encode_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[ir.Buffer],
+                    sym_src, last_use: Dict[ir.Buffer, ir.Node], debug: bool) -> P.Program:
+    """The segment as a program for the segment runtime (codegen/program.py)."""
+    prog = P.Program()
+    em = P.SegmentEncoder(prog, kernels, consts, outs, last_use)
     acts = seg.inputs[:seg.n_activations]
-    em.emit(f"clw::H t_in[{max(len(acts), 1)}];")
-    em.emit(f"for (int i = 0; i < {len(acts)}; ++i) t_in[i] = clw::H((AtenTensorHandle)in[i]);")
-    for i, b in enumerate(acts):
-        em.var[b] = f"t_in[{i}]"
+    prog.n_in = len(acts)
+    for b in acts:  # the caller's handles land in the first registers
+        em.reg[b] = prog.reg()
+    for b in acts:
         want = [int(x) if type(x) is int else -1 for x in b.size]
-        em.emit(f"{{ const int64_t want[] = {_arr(want)}; "
-                f"clw::expect(t_in[{i}], {_HELD_ES[b.dtype]}, {b.rank}, want, \"input {b.name}\"); }}")
+        prog.op("EXPECT", em.reg[b], P.HELD_ES[b.dtype], b.rank, want, prog.name(f"input {b.name}"))
     # Module constants that kernels or ATen ops read need a tensor view of their memory.
     needs_handle = {b for m in seg.members if not isinstance(m, ir.Conv) for b in m.inputs if b in consts}
     for m in seg.members:
@@ -719,66 +241,82 @@ def _emit_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: List[
             needs_handle.update(p[1] for p in m.post_ops if isinstance(p, tuple) and p[1] in consts)
     for i, b in enumerate(consts):
         if b in needs_handle:
-            em.emit(f"const int64_t c{i}_sz[] = {_arr(b.size)}, c{i}_st[] = {_arr(_static_strides(b))};")
-            em.emit(f"clw::H c{i} = clw::blob((uintptr_t)consts[{3 * i}], {b.rank}, c{i}_sz, c{i}_st, "
-                    f"{_HELD_ES[b.dtype]});")
-            em.var[b] = f"c{i}"
+            em.reg[b] = prog.reg()
+            prog.op("BLOB", em.reg[b], i, P.HELD_ES[b.dtype], b.rank, b.size, P.static_strides(b))
     # Symbols the views' sizes use, read from the inputs that define them.
     syms = set()
     for m in seg.members:
         if isinstance(m, ir.Aten) and m.target in (aten.view.default, aten._unsafe_view.default):
             for s in m.out.size:
                 syms |= S.free_symbols(s)
+    slots = {}
     for sym in sorted(syms, key=lambda s: s.name):
+        slots[sym] = len(slots)
         src, dim = sym_src[sym]
         if dim is None:
-            em.emit(f"const int64_t {sym.name} = scalars[{seg.inputs.index(src) - seg.n_activations - 1}];")
+            prog.op("SYM_SCALAR", slots[sym], seg.inputs.index(src) - seg.n_activations - 1)
         else:
-            em.emit(f"const int64_t {sym.name} = clw::sizes({em.v(src)})[{dim}];")
-    members = seg.members
+            prog.op("SYM_DIM", slots[sym], em.reg[src], dim)
+    prog.n_syms = len(slots)
     outset = set(outs)
     from cpu_layout.codegen.wrapper import _required, conversions
 
-    reads, last_conv = conversions(members, _required)
-    for m in members:
+    reads, last_conv = conversions(seg.members, _required)
+    for m in seg.members:
         keys = list(reads.get(m, {}).values())
         em.convert_reads(keys)
-        if isinstance(m, ir.Conv):
-            em.conv(m)
-        elif isinstance(m, ir.Kernel):
-            em.kernel(m)
-        elif isinstance(m, ir.Reduction):
-            em.reduction(m)
-        elif isinstance(m, ir.LayerNorm):
-            em.layer_norm(m)
-        elif isinstance(m, ir.Getitem):
-            em.split_piece(m)
-        elif m.target in SPLIT_OPS:
-            em.split(m)
-        elif m.target is aten.clone.default:
-            em.clone(m)
-        elif m.target is ops.channel_shuffle:
-            em.channel_shuffle(m)
-        elif m.target is aten.slice.Tensor:
-            em.slice(m)
-        else:
-            em.aten_op(m)
+        _encode_node(em, m, slots)
         if debug and m.out.layout in L.LABELS:
-            em.emit(f"clw::check_order(t_{m.out.name}, {_cl(m.out.layout)}, \"{m.out.name}\");")
+            prog.op("CHECK", em.reg[m.out], int(m.out.layout == L.CHANNELS_LAST), prog.name(m.out.name))
         em.release_reads(keys, last_conv, m)
         for b in dict.fromkeys(m.inputs):
-            if last_use.get(b) is m and b in em.var and b not in outset and b not in consts:
+            if last_use.get(b) is m and b in em.reg and b not in outset and b not in consts:
                 em.release(b)
     for j, b in enumerate(outs):
-        em.emit(f"out[{j}] = (uintptr_t){em.v(b)}.release();")
-    return (
-        f"static clw::PoolSlot {seg.name}_pool;\n"
-        f'extern "C" void {seg.name}_release(void) {{ delete {seg.name}_pool.p.exchange(nullptr); }}\n'
-        f'extern "C" int {seg.name}({_SIGNATURE}) {{\n'
-        f"  try {{\n    clw::PoolLease clw_pool({seg.name}_pool);\n" + "\n".join(em.lines) + "\n"
-        f"  }} catch (const std::exception& e) {{\n    return clw::report(e, err, errlen);\n  }}\n"
-        f"  (void)consts; (void)scalars;\n  return 0;\n}}\n"
-    )
+        prog.op("OUT", j, em.reg[b])
+    return prog
+
+
+def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:
+    """One member of a segment, by kind (the kinds `runs_in_cpp` admits)."""
+    if isinstance(m, ir.Conv):
+        em.conv(m)
+    elif isinstance(m, ir.Kernel):
+        em.kernel(m)
+    elif isinstance(m, ir.Reduction):
+        em.reduction(m)
+    elif isinstance(m, ir.LayerNorm):
+        em.layer_norm(m)
+    elif isinstance(m, ir.Getitem):
+        em.split_piece(m, *split_piece(m.inputs[0].producer, m.index))
+    elif m.target in SPLIT_OPS:
+        em.split(m)
+    elif m.target is aten.clone.default:
+        em.clone(m, clone_order(m))
+    elif m.target is ops.channel_shuffle:
+        em.channel_shuffle(m)
+    elif m.target is aten.slice.Tensor:
+        em.slice(m, *slice_range(m))
+    elif m.target in VIEW_OPS:
+        em.view(m, slots.__getitem__)
+    elif m in em.kernels:
+        em.pool_kernel(m)
+    elif m.target is aten.max_pool2d.default:
+        em.max_pool(m)
+    elif m.target is aten.avg_pool2d.default:
+        em.avg_pool(m)
+    elif m.target is aten.cat.default:
+        em.cat(m, own_cat(m))
+    elif m.target is aten.as_strided.default:
+        em.as_strided(m)
+    elif m.target is aten.upsample_nearest2d.default:
+        em.upsample(m)
+    elif m.target in _INDEX_OPS:
+        em.index(m)
+    elif m.target in (aten.mm.default, aten.addmm.default):
+        em.matmul(m)
+    else:  # runs_in_cpp admitted it, so this is a bug here
+        raise NotImplementedError(f"{m.name}: no segment instruction for {m.target}")
 
 
 def _symbol_sources(g: ir.Graph) -> Dict:
@@ -907,11 +445,11 @@ def build(g: ir.Graph, debug: bool = False):
     pro_graph.output = ir.Output("output", list(exports), None, values=list(exports))
     pro_graph.nodes.append(pro_graph.output)
 
-    # Emit segment C++ and compile it with every kernel of the graph.
+    # Each segment as a program for the segment runtime; the graph's kernels are compiled below.
     kernels = {}
     for _gi, grp, *_ in seg_specs:
         kernels.update(zip(*schedule.generated(grp)))
-    sources, cdefs, segs = [], [], []
+    segs = []
     for k, (gi, grp, acts, consts, outs, scalars) in enumerate(seg_specs):
         pack = g.new_buffer("pack")
         seg_out = g.new_buffer("seg")
@@ -920,18 +458,8 @@ def build(g: ir.Graph, debug: bool = False):
         seg.consts = consts
         seg.outs = outs
         seg.pack = pack
+        seg.program = _encode_segment(seg, kernels, outs, consts, sym_src, last_use, debug)
         segs.append((gi, seg))
-        sources.append(_emit_segment(seg, kernels, outs, consts, sym_src, last_use, debug))
-        cdefs.append(f"int {seg.name}({_SIGNATURE});\nvoid {seg.name}_release(void);")
-    # The kernels come first in the file and keep -O3; what follows is glue
-    # (shape arithmetic, handle bookkeeping) in one long function per segment,
-    # which g++ optimises in superlinear time: densenet121's took 11.5 s at -O1,
-    # 3.6 s at -Og, 1.6 s at -O0. -Og ran forwards as fast as -O1 (mobilenet_v3,
-    # densenet121, within noise); -O0 cost 2-5%.
-    header = '#pragma GCC optimize ("Og")\n' + _csrc("cl_api.h") + _csrc("cl_wrapper.h")
-    extra = header + "".join(sources) if sources else ""
-    cdef = "\n".join(cdefs + (["void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);",
-                                   "long long cl_layout_copies(void);"] if sources else []))
 
     # Rebuild the main graph: inputs, prologue, then segments and Python nodes in order.
     pro_node = None
@@ -956,11 +484,10 @@ def build(g: ir.Graph, debug: bool = False):
     new_nodes.append(output)
     _relink(g, new_nodes)
 
-    # One bind over both graphs: one compiler run for every kernel and segment.
+    # One bind over both graphs: one compiler run for every kernel of the graph.
     both = ir.Graph()
     both.nodes = pro_graph.nodes[:-1] + g.nodes
-    runners, library = schedule.bind(both, extra_kernels=list(kernels.values()), extra_source=extra,
-                                     extra_cdef=cdef)
+    runners, compiled = schedule.bind(both, extra_kernels=list(kernels.values()))
     for n in const_nodes:
         if isinstance(n, ir.Aten) and isinstance(n.target, runtime.Memoized):
             runners[n] = n.target  # the hoisted batch-norm folds are memoized already
@@ -975,19 +502,12 @@ def build(g: ir.Graph, debug: bool = False):
         pack_entries = []
         for _, seg in segs:
             weights = {m.weight for m in seg.members if isinstance(m, ir.Conv)}
-            pack_entries.append([(exports.index(b), b in weights, tuple(b.size), _static_strides(b))
+            pack_entries.append([(exports.index(b), b in weights, tuple(b.size), P.static_strides(b))
                                  for b in seg.consts])
-        runners[pro_node] = runtime.ConstantPrologue(fn, pack_entries,
-                                                     library.ffi if library else ops.ffi)
+        runners[pro_node] = runtime.ConstantPrologue(fn, pack_entries, ops.ffi)
     for _, seg in segs:
+        used = [compiled[spec] for spec in seg.program.kernels]
         call = runtime.SegmentCall(seg.name, len(seg.outs))
-        call.bind(library)
+        call.bind(seg.program, used)
         runners[seg] = call
-    if segs:
-        lib = ops.lib
-        library.lib.cl_segment_init(
-            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_conv_forward"))),
-            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_last_error"))),
-            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_copy_strided"))),
-            int(ops.ffi.cast("uintptr_t", ops.ffi.addressof(lib, "cl_channel_shuffle"))))
     return runners

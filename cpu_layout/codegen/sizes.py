@@ -1,4 +1,4 @@
-"""Sizes as C++: sympy expressions of symbolic shapes printed as int64 arithmetic.
+"""Sizes for the segment runtime: sympy expressions of symbolic shapes as postfix int64 tokens.
 
 Fake tensors carry sizes such as `s0`, `FloorDiv(s1 - 1, 2) + 1`; a
 cpp_wrapper segment computes them from the symbols' run-time values (read
@@ -35,38 +35,44 @@ def free_symbols(v) -> Set[sympy.Symbol]:
     return set(to_sympy(v).free_symbols)
 
 
-def cexpr(v) -> str:
-    """C++ for one size expression (symbols print as their names)."""
-    return _print(to_sympy(v))
+# Tokens of a size expression for the segment runtime (csrc/segment_vm.cpp, enum Tok).
+T_CONST, T_SYM, T_ADD, T_MUL, T_FLOORDIV, T_MOD, T_MAX, T_MIN, T_CEILDIV = range(9)
 
 
-def _print(e) -> str:
-    if isinstance(e, sympy.Integer):
-        return f"INT64_C({int(e)})"
-    if isinstance(e, sympy.Symbol):
-        return e.name
-    if isinstance(e, sympy.Add):
-        return "(" + " + ".join(_print(a) for a in e.args) + ")"
-    if isinstance(e, sympy.Mul):
-        return "(" + " * ".join(_print(a) for a in e.args) + ")"
-    if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and int(e.exp) > 0:
-        return "(" + " * ".join([_print(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, FloorDiv):
-        return f"clw::floordiv({_print(e.args[0])}, {_print(e.args[1])})"
-    if CeilDiv and isinstance(e, CeilDiv):
-        a, b = (_print(x) for x in e.args)
-        return f"(-clw::floordiv(-({a}), {b}))"
-    if isinstance(e, Mod) or (PythonMod and isinstance(e, PythonMod)):
-        return f"clw::pymod({_print(e.args[0])}, {_print(e.args[1])})"
-    if (Max and isinstance(e, Max)) or isinstance(e, sympy.Max):
-        return _fold("std::max", e.args)
-    if (Min and isinstance(e, Min)) or isinstance(e, sympy.Min):
-        return _fold("std::min", e.args)
-    raise NotImplementedError(f"size expression {e} ({type(e).__name__}) has no C++ form here")
-
-
-def _fold(fn, args) -> str:
-    out = _print(args[0])
-    for a in args[1:]:
-        out = f"{fn}<int64_t>({out}, {_print(a)})"
+def rpn(v, slot_of) -> list:
+    """One size expression as the segment runtime's postfix tokens; `slot_of`
+    maps a symbol to the slot its run-time value is read into."""
+    out: list = []
+    _rpn(to_sympy(v), slot_of, out)
     return out
+
+
+def _rpn(e, slot_of, out) -> None:
+    def fold(tok, args):
+        _rpn(args[0], slot_of, out)
+        for a in args[1:]:
+            _rpn(a, slot_of, out)
+            out.append(tok)
+
+    if isinstance(e, sympy.Integer):
+        out += [T_CONST, int(e)]
+    elif isinstance(e, sympy.Symbol):
+        out += [T_SYM, slot_of(e)]
+    elif isinstance(e, sympy.Add):
+        fold(T_ADD, e.args)
+    elif isinstance(e, sympy.Mul):
+        fold(T_MUL, e.args)
+    elif isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and int(e.exp) > 0:
+        fold(T_MUL, [e.base] * int(e.exp))
+    elif isinstance(e, FloorDiv):
+        fold(T_FLOORDIV, e.args)
+    elif CeilDiv and isinstance(e, CeilDiv):
+        fold(T_CEILDIV, e.args)
+    elif isinstance(e, Mod) or (PythonMod and isinstance(e, PythonMod)):
+        fold(T_MOD, e.args)
+    elif (Max and isinstance(e, Max)) or isinstance(e, sympy.Max):
+        fold(T_MAX, e.args)
+    elif (Min and isinstance(e, Min)) or isinstance(e, sympy.Min):
+        fold(T_MIN, e.args)
+    else:
+        raise NotImplementedError(f"size expression {e} ({type(e).__name__}) has no runtime form here")

@@ -1,0 +1,551 @@
+/* The segment runtime: runs cpp_wrapper segments from a compact program.
+ *
+ * Compiled once per machine and torch (cpu_layout/codegen/program.py loads
+ * it through the content-hashed build cache), after cl_api.h and
+ * cl_wrapper.h. A graph's segments are programs for it: an array of int64
+ * instructions (opcode, operand count, operands) built by program.py, so a
+ * compile no longer runs g++ over per-graph glue (densenet121's took 5 s of
+ * g++ for 5,500 lines of straight-line C++); only the graph's fused kernels
+ * are compiled, and the program calls them through function pointers.
+ *
+ * Registers hold tensor handles (clw::H). A register may instead alias
+ * another one: a layout conversion whose input already is in the order asked
+ * for is that input itself. Every handle a call holds lives in the call's
+ * register file, so an exception anywhere frees everything it allocated.
+ */
+#include <memory>
+
+namespace clvm {
+
+using clw::H;
+using clw::fail;
+
+// Opcodes; program.py's OP table must list the same numbers (checked when a
+// program is made: cl_program_new rejects an opcode it does not know).
+enum Op : int64_t {
+  EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
+  REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
+  MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
+  CLONE, SHUFFLE, CHECK, OUT, N_OPS
+};
+
+// Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
+enum Tok : int64_t { T_CONST = 0, T_SYM, T_ADD, T_MUL, T_FLOORDIV, T_MOD, T_MAX, T_MIN, T_CEILDIV };
+
+typedef void (*kernel_fn)(const int64_t*, void* const*, const int64_t*);
+
+struct Program {
+  std::vector<int64_t> code;
+  std::vector<double> reals;
+  std::vector<std::string> names;
+  std::vector<kernel_fn> kernels;
+  int64_t n_regs = 0, n_syms = 0, n_in = 0;
+  clw::PoolSlot pool;
+  ~Program() { delete pool.p.exchange(nullptr); }
+};
+
+struct Reg {
+  H h;
+  int64_t alias = -1;  // >= 0: this register reads as that one
+};
+
+class Run {
+ public:
+  Run(const Program& p, const int64_t* consts, const int64_t* scalars, clw::Pool* pool)
+      : p_(p), consts_(consts), scalars_(scalars), pool_(pool), regs_((size_t)p.n_regs),
+        syms_((size_t)std::max<int64_t>(p.n_syms, 1)) {}
+
+  void take_inputs(const uintptr_t* in) {
+    for (int64_t i = 0; i < p_.n_in; ++i) regs_[(size_t)i].h = H((AtenTensorHandle)in[i]);
+  }
+
+  void run(uintptr_t* out);
+
+ private:
+  const Program& p_;
+  const int64_t* consts_;
+  const int64_t* scalars_;
+  clw::Pool* pool_;
+  std::vector<Reg> regs_;
+  std::vector<int64_t> syms_;
+  const int64_t* a_ = nullptr;  // operand cursor of the instruction being run
+
+  int64_t A() { return *a_++; }
+  const int64_t* P(int64_t n) { const int64_t* q = a_; a_ += n; return q; }
+  const std::string& S(int64_t i) { return p_.names[(size_t)i]; }
+  Reg& reg(int64_t r) { return regs_[(size_t)r]; }
+  const H& R(int64_t r) {
+    while (regs_[(size_t)r].alias >= 0) r = regs_[(size_t)r].alias;
+    return regs_[(size_t)r].h;
+  }
+  void set(int64_t r, H&& h) { Reg& g = reg(r); g.alias = -1; g.h = std::move(h); }
+  // A fresh dense result: pooled storage, or its own when it leaves the segment (fresh == 1).
+  H alloc(int64_t fresh, int nd, const int64_t* sz, bool cl, int es) {
+    return fresh ? clw::empty_dense(nd, sz, cl, es) : pool_->take(nd, sz, cl, es);
+  }
+  int64_t expr();
+  void conv();
+  void kernel();
+  void reduction();
+  void layer_norm();
+};
+
+int64_t Run::expr() {
+  const int64_t n = A();
+  const int64_t* t = P(n);
+  std::vector<int64_t> st((size_t)n / 2 + 1);  // each operand is two tokens
+  size_t sp = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = t[i];
+    if (k == T_CONST || k == T_SYM) {
+      if (sp == st.size() || i + 1 >= n) fail("corrupt size expression");
+      st[sp++] = k == T_CONST ? t[++i] : syms_[(size_t)t[++i]];
+      continue;
+    }
+    if (sp < 2) fail("corrupt size expression");
+    const int64_t b = st[--sp], a = st[sp - 1];
+    int64_t& r = st[sp - 1];
+    switch (k) {
+      case T_ADD: r = a + b; break;
+      case T_MUL: r = a * b; break;
+      case T_FLOORDIV: r = clw::floordiv(a, b); break;
+      case T_MOD: r = clw::pymod(a, b); break;
+      case T_MAX: r = std::max(a, b); break;
+      case T_MIN: r = std::min(a, b); break;
+      case T_CEILDIV: r = -clw::floordiv(-a, b); break;
+      default: fail("corrupt size expression");
+    }
+  }
+  if (sp != 1) fail("corrupt size expression");
+  return st[0];
+}
+
+// CONV out x w_const b_const(-1) nsp es dst_cl w_cl oc groups ic k[nsp] s[nsp] p[nsp] d[nsp]
+//      npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
+void Run::conv() {
+  const int64_t out = A(), x = A(), wi = A(), bi = A(), nsp = A(), es = A(), dst_cl = A(), w_cl = A();
+  const int64_t oc = A(), groups = A(), ic = A();
+  const int64_t *k = P(nsp), *s = P(nsp), *pd = P(nsp), *dl = P(nsp);
+  const int64_t npost = A();
+  const int64_t* post = P(3 * npost);
+  const int64_t nres = A();
+  const int64_t* res = P(nres);
+  const int64_t inplace = A(), fresh = A();
+  const std::string& name = S(A());
+  const H& xin = R(x);
+  const H* xs = &xin;
+  H xc;
+  bool scl = dst_cl != 0;
+  if (!clw::dense_in(xin, scl)) {
+    if (clw::dense_in(xin, !scl)) scl = !scl;
+    else { xc = clw::copy_in_order(xin, scl); xs = &xc; }
+  }
+  const int64_t* xsz = clw::sizes(*xs);
+  cl_conv_args a;
+  std::memset(&a, 0, sizeof a);
+  a.nsp = (int)nsp;
+  a.dtype = a.bias_dtype = es == 4 ? CL_F32 : CL_BF16;
+  a.has_bias = bi >= 0;
+  a.src_cl = scl;
+  a.dst_cl = (int)dst_cl;
+  a.w_cl = (int)w_cl;
+  a.n = xsz[0];
+  a.ic = xsz[1];
+  a.oc = oc;
+  a.groups = groups;
+  if (a.ic != ic)
+    fail(name + ": input has " + std::to_string(a.ic) + " channels, the weight expects " + std::to_string(ic));
+  for (int64_t i = 0; i < nsp; ++i) {
+    a.in_sp[i] = xsz[2 + i];
+    a.k_sp[i] = k[i];
+    a.stride[i] = s[i];
+    a.pad_l[i] = a.pad_r[i] = pd[i];
+    a.dilation[i] = dl[i];
+    const int64_t span = dl[i] * (k[i] - 1) + 1;
+    if (xsz[2 + i] + 2 * pd[i] < span) fail(name + ": kernel larger than the padded input");
+    a.out_sp[i] = (xsz[2 + i] + 2 * pd[i] - span) / s[i] + 1;
+  }
+  a.n_post_ops = (int)npost;
+  for (int64_t i = 0; i < npost; ++i) {
+    a.post_ops[i].kind = (int)post[3 * i];
+    a.post_ops[i].alpha = (float)p_.reals[(size_t)post[3 * i + 1]];
+    a.post_ops[i].beta = (float)p_.reals[(size_t)post[3 * i + 2]];
+  }
+  int64_t osz[5] = {a.n, a.oc, 0, 0, 0};
+  for (int64_t i = 0; i < nsp; ++i) osz[2 + i] = a.out_sp[i];
+  const int nd = (int)nsp + 2;
+  H tmp_out;
+  // The output takes over a dying residual's storage: oneDNN's sum post-op adds in place.
+  if (inplace >= 0) tmp_out = clw::take_over(reg(inplace).h, nd, osz, dst_cl != 0);
+  const bool in_place = static_cast<bool>(tmp_out);
+  if (!in_place) tmp_out = alloc(fresh, nd, osz, dst_cl != 0, (int)es);
+  std::vector<H> res_c((size_t)nres);
+  uintptr_t res_addr[CL_MAX_POST_OPS] = {0};
+  for (int64_t j = 0; j < nres; ++j) {
+    const H& rj = (j == 0 && in_place) ? tmp_out : clw::ordered(R(res[j]), dst_cl != 0, res_c[(size_t)j]);
+    if (clw::dim(rj) != nd || !std::equal(osz, osz + nd, clw::sizes(rj)))
+      fail(name + ": the residual does not have the output's size");
+    res_addr[j] = clw::addr(rj);
+  }
+  const uintptr_t bias = bi >= 0 ? (uintptr_t)consts_[3 * bi] : 0;
+  // An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
+  if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts_[3 * wi],
+                                   (unsigned long long)consts_[3 * wi + 1], consts_[3 * wi + 2], bias,
+                                   clw::addr(tmp_out), nres ? res_addr : nullptr))
+    fail(name + ": " + clw::conv_error());
+  set(out, std::move(tmp_out));
+}
+
+// KERNEL out kernel nd ni in[ni] cl es fresh
+void Run::kernel() {
+  const int64_t out = A(), ki = A(), nd = A(), ni = A();
+  const int64_t* in = P(ni);
+  const int64_t cl = A(), es = A(), fresh = A();
+  std::vector<const H*> ins((size_t)ni);
+  for (int64_t i = 0; i < ni; ++i) ins[(size_t)i] = &R(in[i]);
+  int64_t sz[16] = {0};
+  clw::broadcast_sizes(ins.data(), (int)ni, (int)nd, sz);
+  H t = alloc(fresh, (int)nd, sz, cl != 0, (int)es);
+  std::vector<int64_t> st((size_t)std::max<int64_t>((ni + 1) * nd, 1));
+  for (int64_t i = 0; i < ni; ++i) clw::broadcast_strides(*ins[(size_t)i], (int)nd, sz, st.data() + i * nd);
+  const int64_t* os = clw::strides(t);
+  for (int64_t d = 0; d < nd; ++d) st[(size_t)(ni * nd + d)] = os[d];
+  std::vector<void*> data((size_t)ni + 1);
+  for (int64_t i = 0; i < ni; ++i) data[(size_t)i] = clw::data(*ins[(size_t)i]);
+  data[(size_t)ni] = clw::data(t);
+  p_.kernels[(size_t)ki](sz, data.data(), st.data());
+  set(out, std::move(t));
+}
+
+// REDUCTION out kernel x nd keepdim empty_msg(-1) ndims dims[ndims] cl es fresh
+void Run::reduction() {
+  const int64_t out = A(), ki = A(), x = A(), nd = A(), keepdim = A(), empty_msg = A(), ndims = A();
+  const int64_t* dims = P(ndims);
+  const int64_t cl = A(), es = A(), fresh = A();
+  const H& xv = R(x);
+  const int64_t* xs = clw::sizes(xv);
+  bool reduced[16] = {false};
+  for (int64_t i = 0; i < ndims; ++i) reduced[dims[i]] = true;
+  if (empty_msg >= 0)
+    for (int64_t i = 0; i < ndims; ++i)
+      if (xs[dims[i]] == 0) fail(S(empty_msg));
+  int64_t osz[16] = {1};
+  int ond = 0;
+  for (int64_t d = 0; d < nd; ++d)
+    if (keepdim || !reduced[d]) osz[ond++] = reduced[d] ? 1 : xs[d];
+  H t = alloc(fresh, ond, osz, cl != 0, (int)es);
+  int64_t st[32];
+  const int64_t* xst = clw::strides(xv);
+  const int64_t* os = clw::strides(t);
+  for (int64_t d = 0; d < nd; ++d) { st[d] = xst[d]; st[nd + d] = 0; }
+  int j = 0;
+  for (int64_t d = 0; d < nd; ++d) {
+    if (!reduced[d]) st[nd + d] = xs[d] != 1 ? os[j] : 0;
+    if (keepdim || !reduced[d]) ++j;
+  }
+  void* const data[] = {clw::data(xv), clw::data(t)};
+  p_.kernels[(size_t)ki](xs, data, st);
+  set(out, std::move(t));
+}
+
+// LAYER_NORM out kernel x nd n_norm w(-1) w_msg b(-1) b_msg es fresh
+void Run::layer_norm() {
+  const int64_t out = A(), ki = A(), x = A(), nd = A(), n_norm = A();
+  const int64_t w = A(), w_msg = A(), b = A(), b_msg = A(), es = A(), fresh = A();
+  const H& xv = R(x);
+  const int64_t* xs = clw::sizes(xv);
+  int64_t rc[2] = {1, 1};
+  for (int64_t d = 0; d < nd; ++d) rc[d < nd - n_norm ? 0 : 1] *= xs[d];
+  H t = alloc(fresh, (int)nd, xs, false, (int)es);
+  void* data[4];
+  int n = 0;
+  data[n++] = clw::data(xv);
+  for (const int64_t* pm : {&w, &b}) {
+    if (*pm < 0) continue;
+    const H& p = R(*pm);
+    if (clw::numel(p) != rc[1] || !clw::dense_in(p, false)) fail(S(pm == &w ? w_msg : b_msg));
+    data[n++] = clw::data(p);
+  }
+  data[n++] = clw::data(t);
+  if (rc[0] * rc[1] > 0) p_.kernels[(size_t)ki](rc, data, nullptr);
+  set(out, std::move(t));
+}
+
+void Run::run(uintptr_t* out) {
+  const int64_t* code = p_.code.data();
+  const int64_t ncode = (int64_t)p_.code.size();
+  for (int64_t pc = 0; pc < ncode;) {
+    const int64_t op = code[pc], n = code[pc + 1];
+    a_ = code + pc + 2;
+    const int64_t* end = a_ + n;
+    pc += 2 + n;
+    switch (op) {
+      case EXPECT: {  // reg es nd want[nd] name: the dtype, rank and static sizes compiled for
+        const int64_t r = A(), es = A(), nd = A();
+        const int64_t* want = P(nd);
+        clw::expect(R(r), (int)es, (int)nd, want, S(A()).c_str());
+        break;
+      }
+      case BLOB: {  // reg const es nd sz[nd] st[nd]: a module constant's memory as a tensor
+        const int64_t r = A(), ci = A(), es = A(), nd = A();
+        const int64_t *sz = P(nd), *st = P(nd);
+        set(r, clw::blob((uintptr_t)consts_[3 * ci], (int)nd, sz, st, (int)es));
+        break;
+      }
+      case SYM_DIM: { const int64_t s = A(), r = A(), d = A(); syms_[(size_t)s] = clw::sizes(R(r))[d]; break; }
+      case SYM_SCALAR: { const int64_t s = A(), i = A(); syms_[(size_t)s] = scalars_[i]; break; }
+      case ORDERED: {  // dst src cl pooled: src itself when dense in that order, else a copy
+        const int64_t d = A(), s = A(), cl = A(), pooled = A();
+        if (clw::dense_in(R(s), cl != 0)) { reg(d).h.reset(); reg(d).alias = s; }
+        else set(d, clw::copy_in_order(R(s), cl != 0, pooled ? pool_ : nullptr));
+        break;
+      }
+      case ORDERED_PERM: {  // dst src nd perm[nd] pooled
+        const int64_t d = A(), s = A(), nd = A();
+        const int64_t* p64 = P(nd);
+        const int64_t pooled = A();
+        int perm[16];
+        for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
+        H tmp;
+        const H& r = clw::ordered_perm(R(s), perm, tmp, pooled ? pool_ : nullptr);
+        if (&r == &tmp) set(d, std::move(tmp));
+        else { reg(d).h.reset(); reg(d).alias = s; }
+        break;
+      }
+      case GIVE: {  // reg: back to the pool (an alias just stops aliasing)
+        Reg& g = reg(A());
+        if (g.alias >= 0) g.alias = -1;
+        else pool_->give(std::move(g.h));
+        break;
+      }
+      case RESET: { Reg& g = reg(A()); g.alias = -1; g.h.reset(); break; }
+      case CONV: conv(); break;
+      case KERNEL: kernel(); break;
+      case REDUCTION: reduction(); break;
+      case LAYER_NORM: layer_norm(); break;
+      case RESHAPE: {  // out x rank (expr)*rank
+        const int64_t o = A(), x = A(), rank = A();
+        int64_t nsz[16] = {1};
+        for (int64_t i = 0; i < rank; ++i) nsz[i] = expr();
+        set(o, clw::reshape(R(x), (int)rank, nsz));
+        break;
+      }
+      case PERMUTE: {  // out x nd perm[nd]
+        const int64_t o = A(), x = A(), nd = A();
+        const int64_t* p64 = P(nd);
+        int perm[16];
+        for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
+        set(o, clw::permute(R(x), (int)nd, perm));
+        break;
+      }
+      case UNSQUEEZE: { const int64_t o = A(), x = A(), d = A(); set(o, clw::unsqueeze(R(x), (int)d)); break; }
+      case REORDER: {  // reg cl: a view the plan wants in that order (a no-op when it already is)
+        const int64_t r = A(), cl = A();
+        H c;
+        const H& got = clw::ordered(reg(r).h, cl != 0, c);
+        if (&got == &c) reg(r).h = std::move(c);
+        break;
+      }
+      case REORDER_PERM: {  // reg nd perm[nd]
+        const int64_t r = A(), nd = A();
+        const int64_t* p64 = P(nd);
+        int perm[16];
+        for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
+        H c;
+        const H& got = clw::ordered_perm(reg(r).h, perm, c);
+        if (&got == &c) reg(r).h = std::move(c);
+        break;
+      }
+      case POOL_KERNEL: {  // out kernel x ceil (k s p dl)*2 es fresh: the generated NHWC pool
+        const int64_t o = A(), ki = A(), x = A(), ceil = A();
+        const int64_t* w = P(8);
+        const int64_t es = A(), fresh = A();
+        const H& xv = R(x);
+        const int64_t* xs = clw::sizes(xv);
+        int64_t od[2];
+        for (int d = 0; d < 2; ++d) {
+          const int64_t k = w[4 * d], st = w[4 * d + 1], p = w[4 * d + 2], dl = w[4 * d + 3];
+          od[d] = (xs[2 + d] + 2 * p - dl * (k - 1) - 1 + (ceil ? st - 1 : 0)) / st + 1;
+          if (ceil && (od[d] - 1) * st >= xs[2 + d] + p) od[d] -= 1;
+        }
+        const int64_t sz[] = {xs[0], xs[1], xs[2], xs[3], od[0], od[1]};
+        const int64_t osz[] = {xs[0], xs[1], od[0], od[1]};
+        H t = alloc(fresh, 4, osz, true, (int)es);
+        void* const data[] = {clw::data(xv), clw::data(t)};
+        p_.kernels[(size_t)ki](sz, data, nullptr);
+        set(o, std::move(t));
+        break;
+      }
+      case MAX_POOL: {  // out x k[2] s[2] p[2] dl[2] ceil msg
+        const int64_t o = A(), x = A();
+        const int64_t *k = P(2), *s = P(2), *p = P(2), *dl = P(2);
+        const int64_t ceil = A();
+        AtenTensorHandle t, idx;
+        clw::shim(aoti_torch_cpu_max_pool2d_with_indices(R(x).get(), k, 2, s, 2, p, 2, dl, 2, (int32_t)ceil, &t, &idx),
+                  S(A()).c_str());
+        H drop(idx);
+        set(o, H(t));
+        break;
+      }
+      case AVG_POOL: {  // out x k[2] s[2] p[2] ceil include_pad has_div div msg
+        const int64_t o = A(), x = A();
+        const int64_t *k = P(2), *s = P(2), *p = P(2);
+        const int64_t ceil = A(), incl = A(), has_div = A();
+        int64_t div = A();
+        AtenTensorHandle t;
+        clw::shim(aoti_torch_cpu_avg_pool2d(R(x).get(), k, 2, s, 2, p, 2, (int32_t)ceil, (int32_t)incl,
+                                            has_div ? &div : nullptr, &t),
+                  S(A()).c_str());
+        set(o, H(t));
+        break;
+      }
+      case CAT: {  // out dim n parts[n] cl es fresh: clw::cat_into, the plan's layout
+        const int64_t o = A(), dim = A(), np = A();
+        const int64_t* pr = P(np);
+        const int64_t cl = A(), es = A(), fresh = A();
+        std::vector<const H*> parts((size_t)np);
+        for (int64_t i = 0; i < np; ++i) parts[(size_t)i] = &R(pr[i]);
+        const int nd = (int)clw::dim(*parts[0]);
+        int64_t osz[16];
+        clw::cat_sizes(parts.data(), (int)np, (int)dim, osz);
+        H t = alloc(fresh, nd, osz, cl != 0, (int)es);
+        clw::cat_into(t, parts.data(), (int)np, (int)dim, cl != 0);
+        set(o, std::move(t));
+        break;
+      }
+      case CAT_SHIM: {  // out dim n parts[n] msg
+        const int64_t o = A(), dim = A(), np = A();
+        const int64_t* pr = P(np);
+        std::vector<AtenTensorHandle> parts((size_t)np);
+        for (int64_t i = 0; i < np; ++i) parts[(size_t)i] = R(pr[i]).get();
+        AtenTensorHandle t;
+        clw::shim(aoti_torch_cpu_cat(parts.data(), np, dim, &t), S(A()).c_str());
+        set(o, H(t));
+        break;
+      }
+      case AS_STRIDED: {  // out x nd sz[nd] st[nd] offset(-1: the input's)
+        const int64_t o = A(), x = A(), nd = A();
+        const int64_t *sz = P(nd), *st = P(nd);
+        const int64_t off = A();
+        set(o, clw::as_strided(R(x), (int)nd, sz, st, off));
+        break;
+      }
+      case UPSAMPLE: {  // out x oh ow cl
+        const int64_t o = A(), x = A(), oh = A(), ow = A(), cl = A();
+        set(o, clw::upsample_nearest2d(R(x), oh, ow, cl != 0));
+        break;
+      }
+      case INDEX: {  // out x n idx[n](-1: None) msg
+        const int64_t o = A(), x = A(), ni = A();
+        const int64_t* ir = P(ni);
+        std::vector<AtenTensorHandle> hs((size_t)ni);
+        std::vector<const AtenTensorHandle*> idx((size_t)ni);
+        for (int64_t i = 0; i < ni; ++i) {
+          hs[(size_t)i] = ir[i] >= 0 ? R(ir[i]).get() : nullptr;
+          idx[(size_t)i] = ir[i] >= 0 ? &hs[(size_t)i] : nullptr;
+        }
+        AtenTensorHandle t;
+        clw::shim(aoti_torch_cpu_index_Tensor(R(x).get(), idx.data(), ni, &t), S(A()).c_str());
+        set(o, H(t));
+        break;
+      }
+      case MM:      // out m1 m2 es fresh msg
+      case ADDMM: {  // out bias m1 m2 beta_real alpha_real es fresh msg
+        const int64_t o = A(), bias = op == ADDMM ? A() : -1, m1 = A(), m2 = A();
+        const int64_t beta = op == ADDMM ? A() : -1, alpha = op == ADDMM ? A() : -1;
+        const int64_t es = A(), fresh = A();
+        const int64_t osz[] = {clw::sizes(R(m1))[0], clw::sizes(R(m2))[1]};
+        H t = alloc(fresh, 2, osz, false, (int)es);
+        const char* msg = S(A()).c_str();
+        if (op == MM) clw::shim(aoti_torch_cpu_mm_out(t.get(), R(m1).get(), R(m2).get()), msg);
+        else clw::shim(aoti_torch_cpu_addmm_out(t.get(), R(bias).get(), R(m1).get(), R(m2).get(),
+                                                p_.reals[(size_t)beta], p_.reals[(size_t)alpha]), msg);
+        set(o, std::move(t));
+        break;
+      }
+      case ALIAS: {  // out x: a handle of x that a split's pieces view
+        const int64_t o = A();
+        const H& x = R(A());
+        set(o, clw::alias(x, (int)clw::dim(x), clw::sizes(x), clw::strides(x)));
+        break;
+      }
+      case SLICE: {  // out x dim start end
+        const int64_t o = A(), x = A(), d = A(), s = A(), e = A();
+        set(o, clw::slice(R(x), (int)d, s, e));
+        break;
+      }
+      case CLONE: {  // out x nd cl es fresh
+        const int64_t o = A(), x = A(), nd = A(), cl = A(), es = A(), fresh = A();
+        H t = alloc(fresh, (int)nd, clw::sizes(R(x)), cl != 0, (int)es);
+        clw::copy_into(t, R(x));
+        set(o, std::move(t));
+        break;
+      }
+      case SHUFFLE: {  // out x nd groups start end cl es fresh
+        const int64_t o = A(), x = A(), nd = A(), g = A(), s = A(), e = A(), cl = A(), es = A(), fresh = A();
+        int64_t osz[16];
+        std::copy_n(clw::sizes(R(x)), nd, osz);
+        osz[1] = e - s;
+        H t = alloc(fresh, (int)nd, osz, cl != 0, (int)es);
+        clw::channel_shuffle_into(t, R(x), g, s);
+        set(o, std::move(t));
+        break;
+      }
+      case CHECK: { const int64_t r = A(), cl = A(); clw::check_order(R(r), cl != 0, S(A()).c_str()); break; }
+      case OUT: { const int64_t j = A(), r = A(); out[j] = (uintptr_t)reg(r).h.release(); break; }
+      default: fail("segment program: unknown opcode " + std::to_string(op));
+    }
+    if (a_ != end) fail("segment program: instruction " + std::to_string(op) + " has the wrong operand count");
+  }
+}
+
+}  // namespace clvm
+
+extern "C" {
+
+void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, int64_t nreals, const char* names,
+                     int64_t names_len, const uintptr_t* kernels, int64_t nkernels, int64_t n_regs,
+                     int64_t n_syms, int64_t n_in, char* err, int errlen) {
+  try {
+    std::unique_ptr<clvm::Program> p(new clvm::Program);
+    p->code.assign(code, code + ncode);
+    p->reals.assign(reals, reals + nreals);
+    for (int64_t i = 0, start = 0; i < names_len; ++i)
+      if (names[i] == '\0') { p->names.emplace_back(names + start, names + i); start = i + 1; }
+    for (int64_t i = 0; i < nkernels; ++i) p->kernels.push_back((clvm::kernel_fn)kernels[i]);
+    p->n_regs = n_regs;
+    p->n_syms = n_syms;
+    p->n_in = n_in;
+    // Structure only (opcodes known, operands inside the program); each
+    // instruction checks its own operand count when it runs.
+    for (int64_t pc = 0; pc < ncode;) {
+      if (pc + 2 > ncode || code[pc] <= 0 || code[pc] >= clvm::N_OPS || code[pc + 1] < 0 ||
+          pc + 2 + code[pc + 1] > ncode)
+        clw::fail("segment program is malformed at word " + std::to_string(pc));
+      pc += 2 + code[pc + 1];
+    }
+    if (n_in > n_regs) clw::fail("segment program has more inputs than registers");
+    return p.release();
+  } catch (const std::exception& e) {
+    clw::report(e, err, errlen);
+    return nullptr;
+  }
+}
+
+int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const int64_t* scalars, uintptr_t* out,
+                   char* err, int errlen) {
+  clvm::Program& p = *(clvm::Program*)prog;
+  try {
+    clw::PoolLease lease(p.pool);
+    clvm::Run run(p, consts, scalars, lease.get());
+    run.take_inputs(in);
+    run.run(out);
+  } catch (const std::exception& e) {
+    return clw::report(e, err, errlen);
+  }
+  return 0;
+}
+
+void cl_program_free(void* prog) { delete (clvm::Program*)prog; }
+
+}  // extern "C"
