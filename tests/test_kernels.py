@@ -519,6 +519,20 @@ def test_generated_code_needs_no_openmp_newer_than_torchs_libgomp():
         assert versions and max(versions) <= (5, 0), versions
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils")
+@pytest.mark.parametrize("name,fn", [("silu", "expf"), ("gelu", "erff"), ("gelu_tanh", "tanhf"), ("log", "logf")])
+def test_transcendental_kernels_call_vector_math(name, fn):
+    # A scalar call per element made a silu kernel 7x slower than ATen's.
+    from cpu_layout.codegen import cpp_kernels
+
+    if f" {fn}(float)" not in cpp_kernels._simd_math()[0]:
+        pytest.skip(f"this glibc's libmvec has no vector {fn}")
+    k = PointwiseKernel([f32], [(ALL[name][0], f32)], 4)
+    syms = subprocess.run(["objdump", "-T", k.compile().library.path], capture_output=True,
+                          text=True, check=True).stdout
+    assert re.search(rf"_ZGV\w+_{fn}\b", syms), f"{name}: no vector {fn} called"
+
+
 # ---- layer_norm -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),

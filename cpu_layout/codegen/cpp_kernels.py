@@ -43,6 +43,7 @@ PREAMBLE = r"""
 
 #ifndef CL_KERNEL_PREAMBLE
 #define CL_KERNEL_PREAMBLE
+@SIMD_MATH@
 namespace cl {
 typedef uint16_t bf16;
 // BLOCK: elements per tile; L: accumulator lanes; KB: outputs per block (kept-inner reductions).
@@ -475,6 +476,45 @@ static void pool2d_nhwc(const int64_t* sz, const T* x, T* y, int64_t kh, int64_t
 """
 
 
+# Vector forms of the math functions kernels call: glibc's libmvec has them
+# (x86-64 ABI names _ZGV<isa>N<lanes>v_<name>), and a declaration with GCC's
+# simd attribute lets the loops that call them vectorise. Without it every
+# exp/erf/tanh/log is a scalar call: a silu kernel ran 7x slower than ATen's
+# (1.39 vs 0.19 ms for 144x56x56 on an EPYC Zen 4). The variants of each ISA
+# GCC may call must all be present, or the library would not load: functions
+# this glibc lacks (erff and tanhf came in 2.35) stay scalar.
+_SIMD_VARIANTS = ("bN4v", "cN8v", "dN8v", "eN16v")
+_SIMD_FUNCS = ("expf", "logf", "erff", "tanhf")
+_simd = None
+
+
+def _simd_math():
+    """(declarations, link flags) for the vector math this machine's libmvec has."""
+    global _simd
+    if _simd is None:
+        import ctypes
+
+        try:
+            mvec = ctypes.CDLL("libmvec.so.1")
+            have = [f for f in _SIMD_FUNCS
+                    if all(hasattr(mvec, f"_ZGV{v}_{f}") for v in _SIMD_VARIANTS)]
+        except OSError:
+            have = []
+        decls = "".join(f'extern "C" float {f}(float) throw() __attribute__((__simd__("notinbranch")));\n'
+                        for f in have)
+        _simd = (decls, ("-l:libmvec.so.1",) if have else ())
+    return _simd
+
+
+def preamble() -> str:
+    return PREAMBLE.replace("@PAR_MIN@", str(PARALLEL_MIN_NUMEL)).replace("@SIMD_MATH@", _simd_math()[0])
+
+
+def kernel_flags() -> tuple:
+    """Compiler flags of kernel libraries: the build's, plus libmvec when kernels use it."""
+    return build.CXXFLAGS + _simd_math()[1]
+
+
 def float_literal(v: float) -> str:
     """A C++ float literal for any Python float, infinities and NaN included."""
     v = float(v)
@@ -735,14 +775,14 @@ class _Kernel:
     def source(self) -> str:
         """A self-contained translation unit (the preamble is include-guarded, so several
         kernels' sources can be concatenated into one file)."""
-        return PREAMBLE.replace("@PAR_MIN@", str(PARALLEL_MIN_NUMEL)) + self._body(self.name)
+        return preamble() + self._body(self.name)
 
     def cdef(self) -> str:
         return f"void {self.name}(const int64_t* sizes, void* const* data, const int64_t* strides);"
 
     def compile(self):
         if self._compiled is None:
-            lib = build.load_library(self.source(), self.cdef(), name_hint=self.describe())
+            lib = build.load_library(self.source(), self.cdef(), name_hint=self.describe(), flags=kernel_flags())
             self._compiled = self._runner(self, lib)
         return self._compiled
 
@@ -1058,7 +1098,7 @@ def compile_library(kernels, name_hint: str = "graph"):
     if todo:
         source = "".join(k.source() for k in todo)
         cdef = "\n".join(k.cdef() for k in todo)
-        library = build.load_library(source, cdef, name_hint=name_hint, flags=build.CXXFLAGS)
+        library = build.load_library(source, cdef, name_hint=name_hint, flags=kernel_flags())
         for k in todo:
             k._compiled = k._runner(k, library)
     by_key = {k: k._compiled for k in unique}
