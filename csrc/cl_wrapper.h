@@ -342,10 +342,25 @@ static inline const H& ordered(const H& t, bool cl, H& tmp, Pool* pool = nullptr
   tmp = copy_in_order(t, cl, pool);
   return tmp;
 }
-// The same for an explicit stride order (eager's own permutation of the dims).
+// Memory walks the dims in `perm` without overlap: dense tensors and slices
+// of them (layout.is_in_order, the rule the plan and the Python wrapper use
+// for an explicit order; size-1 dims ignored, a size-0 dim is in every order).
+static inline bool in_order_perm(int nd, const int64_t* sz, const int64_t* st, const int* perm) {
+  for (int i = 0; i < nd; ++i) if (sz[i] == 0) return true;
+  int prev = -1;
+  for (int i = 0; i < nd; ++i) {
+    const int d = perm[i];
+    if (sz[d] == 1) continue;
+    if (prev >= 0 && st[prev] < st[d] * sz[d]) return false;
+    prev = d;
+  }
+  return true;
+}
+// The same for an explicit stride order (eager's own permutation of the dims);
+// a tensor already in that order is used as it is, as the Python wrapper does.
 static inline const H& ordered_perm(const H& t, const int* perm, H& tmp, Pool* pool = nullptr) {
   const int nd = (int)dim(t);
-  if (dense_in_perm(nd, sizes(t), strides(t), perm)) return t;
+  if (in_order_perm(nd, sizes(t), strides(t), perm)) return t;
   int64_t st[16];
   perm_strides(nd, sizes(t), perm, st);
   tmp = pool ? pool->take(nd, sizes(t), st, elsize(t)) : empty(nd, sizes(t), st, elsize(t));

@@ -132,6 +132,8 @@ void Run::conv() {
   const int64_t* res = P(nres);
   const int64_t inplace = A(), fresh = A();
   const std::string& name = S(A());
+  if (nsp < 1 || nsp > CL_MAX_SPATIAL || npost > CL_MAX_POST_OPS || nres > CL_MAX_POST_OPS)
+    fail(name + ": conv instruction out of range");
   const H& xin = R(x);
   const H* xs = &xin;
   H xc;
@@ -201,6 +203,7 @@ void Run::kernel() {
   const int64_t out = A(), ki = A(), nd = A(), ni = A();
   const int64_t* in = P(ni);
   const int64_t cl = A(), es = A(), fresh = A();
+  if (nd > 16) fail("kernel instruction: more than 16 dims");
   std::vector<const H*> ins((size_t)ni);
   for (int64_t i = 0; i < ni; ++i) ins[(size_t)i] = &R(in[i]);
   int64_t sz[16] = {0};
@@ -222,6 +225,7 @@ void Run::reduction() {
   const int64_t out = A(), ki = A(), x = A(), nd = A(), keepdim = A(), empty_msg = A(), ndims = A();
   const int64_t* dims = P(ndims);
   const int64_t cl = A(), es = A(), fresh = A();
+  if (nd > 16) fail("reduction instruction: more than 16 dims");
   const H& xv = R(x);
   const int64_t* xs = clw::sizes(xv);
   bool reduced[16] = {false};
@@ -304,6 +308,7 @@ void Run::run(uintptr_t* out) {
         const int64_t d = A(), s = A(), nd = A();
         const int64_t* p64 = P(nd);
         const int64_t pooled = A();
+        if (nd > 16) fail("segment program: more than 16 dims");
         int perm[16];
         for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
         H tmp;
@@ -325,6 +330,7 @@ void Run::run(uintptr_t* out) {
       case LAYER_NORM: layer_norm(); break;
       case RESHAPE: {  // out x rank (expr)*rank
         const int64_t o = A(), x = A(), rank = A();
+        if (rank > 16) fail("segment program: more than 16 dims");
         int64_t nsz[16] = {1};
         for (int64_t i = 0; i < rank; ++i) nsz[i] = expr();
         set(o, clw::reshape(R(x), (int)rank, nsz));
@@ -333,6 +339,7 @@ void Run::run(uintptr_t* out) {
       case PERMUTE: {  // out x nd perm[nd]
         const int64_t o = A(), x = A(), nd = A();
         const int64_t* p64 = P(nd);
+        if (nd > 16) fail("segment program: more than 16 dims");
         int perm[16];
         for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
         set(o, clw::permute(R(x), (int)nd, perm));
@@ -349,6 +356,7 @@ void Run::run(uintptr_t* out) {
       case REORDER_PERM: {  // reg nd perm[nd]
         const int64_t r = A(), nd = A();
         const int64_t* p64 = P(nd);
+        if (nd > 16) fail("segment program: more than 16 dims");
         int perm[16];
         for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
         H c;

@@ -259,9 +259,9 @@ def _encode_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: Lis
             prog.op("SYM_DIM", slots[sym], em.reg[src], dim)
     prog.n_syms = len(slots)
     outset = set(outs)
-    from cpu_layout.codegen.wrapper import _required, conversions
+    from cpu_layout.codegen.wrapper import conversions, read_conversion
 
-    reads, last_conv = conversions(seg.members, _required)
+    reads, last_conv = conversions(seg.members, read_conversion)
     for m in seg.members:
         keys = list(reads.get(m, {}).values())
         em.convert_reads(keys)

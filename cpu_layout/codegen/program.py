@@ -248,17 +248,17 @@ class SegmentEncoder:
 
     def read(self, n: ir.Node, b: ir.Buffer) -> int:
         """The register of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
-        from cpu_layout.codegen.wrapper import _required
+        from cpu_layout.codegen.wrapper import read_conversion
 
-        order = _required(n, b)
+        order = read_conversion(n, b)
         return self.reg[b] if order is None else self.converted[(b, order)]
 
     def read_aliased(self, n: ir.Node, b: ir.Buffer) -> int:
         """`read` for a node whose output aliases the handle read: neither storage is pooled."""
-        from cpu_layout.codegen.wrapper import _required
+        from cpu_layout.codegen.wrapper import read_conversion
 
         self.aliased.add(b)
-        order = _required(n, b)
+        order = read_conversion(n, b)
         if order is not None:
             self.aliased_reads.add((b, order))
         # The view aliases the conversion, or `b` itself when it already was in that order:
@@ -322,14 +322,14 @@ class SegmentEncoder:
     def inplace_residual(self, n: ir.Conv, residuals: List[ir.Buffer]) -> Optional[ir.Buffer]:
         """The first residual when the conv's output may take over its storage: the
         segment allocated it, nothing else refers to it, and it dies at this conv."""
-        from cpu_layout.codegen.wrapper import _required
+        from cpu_layout.codegen.wrapper import read_conversion
 
         if not residuals:
             return None
         r = residuals[0]
         ok = (r in self.fresh and r not in self.aliased and r not in self.outs and n.out not in self.outs
               and self.last_use.get(r) is n and r is not n.x and residuals.count(r) == 1
-              and r.dtype == n.out.dtype and _required(n, r) in (None, r.layout))  # no copy planned
+              and r.dtype == n.out.dtype and read_conversion(n, r) in (None, r.layout))  # no copy planned
         return r if ok else None
 
     def kernel(self, n: ir.Kernel):

@@ -83,6 +83,14 @@ def _required(node: ir.Node, b: ir.Buffer):
     return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
 
 
+def read_conversion(node: ir.Node, b: ir.Buffer):
+    """The conversion both wrappers make before `node` reads `b`: the read rule's
+    order, unless the plan's strides for `b` already satisfy it (then the plan
+    counts no copy, and a slice of a dense buffer is read as it is)."""
+    order = _required(node, b)
+    return order if order is not None and not _planned_strides_match(b, order) else None
+
+
 def conversions(nodes, wanted):
     """The conversions both wrappers make: one per (buffer, order), shared by
     every node that reads it so (as the plan counts them) and dropped after
@@ -165,8 +173,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
         em.emit(", ".join(n.out.name for n in inputs) + ", = args")
         em.emit("args.clear()")  # the boxed convention: we own the inputs now
     def wanted(n, b):
-        order = None if raw_outputs and isinstance(n, ir.Output) else _required(n, b)
-        return order if order is not None and not _planned_strides_match(b, order) else None
+        return None if raw_outputs and isinstance(n, ir.Output) else read_conversion(n, b)
 
     reads, last_conv = conversions(g.nodes, wanted)
     converted: Dict[tuple, str] = {}
