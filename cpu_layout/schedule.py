@@ -160,7 +160,7 @@ def bind(g: ir.Graph, extra_kernels=()):
 
     knodes, specs = generated(g.nodes)
     everything = specs + list(extra_kernels)
-    compiled, _library = compile_library(everything, name_hint=f"graph_{len(g.nodes)}")
+    compiled = compile_library(everything, name_hint=f"graph_{len(g.nodes)}")
     by_spec = dict(zip(everything, compiled))
     runners: Dict[ir.Node, object] = {}
     for n, spec, c in zip(knodes, specs, compiled):

@@ -14,13 +14,16 @@ and the backend's own share, first call minus aot_eager's first call (cold and w
 The runtime's one-time build is timed separately, in a cache of its own.
 
     python scripts/bench_cold.py [--suite torchvision] [--models densenet121,resnet50]
-                                 [--threads 1] [--no-ov]
+                                 [--threads 1] [--repeat 3] [--no-ov]
+
+Each figure is the median of --repeat fresh processes (cold: each with an empty graph cache).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +85,7 @@ def main(argv=None):
     ap.add_argument("--suite", default="torchvision")
     ap.add_argument("--models", default="densenet121,resnet50")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3, help="fresh processes per figure (median) [3]")
     ap.add_argument("--no-ov", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -96,16 +100,24 @@ def main(argv=None):
         print(f"{'model':22s} {'aot_eager':>9s} {'cold':>7s} {'warm':>7s} {'ov':>7s}  "
               f"{'own cold':>8s} {'own warm':>8s}  (seconds, first call of a fresh process)")
         for name in args.models.split(","):
-            cache = os.path.join(tmp, name)
-            subprocess.run(["cp", "-r", runtime_cache, cache], check=True)  # runtime built, graph not
-            aot = _run({**base, "model": name, "what": "aot_eager"}, cache)["seconds"]
-            cold = _run({**base, "model": name, "what": "cplcpp"}, cache)
-            warm = _run({**base, "model": name, "what": "cplcpp"}, cache)
-            if warm["compiles"]:
-                print(f"  {name}: the warm run compiled {warm['compiles']} libraries", file=sys.stderr)
-            ov = float("nan") if args.no_ov else _run({**base, "model": name, "what": "ov"}, cache)["seconds"]
-            print(f"{name:22s} {aot:9.2f} {cold['seconds']:7.2f} {warm['seconds']:7.2f} {ov:7.2f}  "
-                  f"{cold['seconds'] - aot:8.2f} {warm['seconds'] - aot:8.2f}", flush=True)
+            def median(what, fresh_cache):
+                times = []
+                for r in range(args.repeat):
+                    cache = os.path.join(tmp, f"{name}-{what}-{r if fresh_cache else 0}")
+                    if not os.path.exists(cache):  # runtime built, graph not
+                        subprocess.run(["cp", "-r", runtime_cache, cache], check=True)
+                    out = _run({**base, "model": name, "what": what}, cache)
+                    if what == "cplcpp" and not fresh_cache and out["compiles"]:
+                        print(f"  {name}: a warm run compiled {out['compiles']} libraries", file=sys.stderr)
+                    times.append(out["seconds"])
+                return statistics.median(times)
+
+            aot = median("aot_eager", True)
+            cold = median("cplcpp", True)
+            warm = median("cplcpp", False)  # the cache of cold's first run
+            ov = float("nan") if args.no_ov else median("ov", True)
+            print(f"{name:22s} {aot:9.2f} {cold:7.2f} {warm:7.2f} {ov:7.2f}  "
+                  f"{cold - aot:8.2f} {warm - aot:8.2f}", flush=True)
 
 
 if __name__ == "__main__":
