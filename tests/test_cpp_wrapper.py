@@ -567,3 +567,12 @@ def test_an_instruction_with_the_wrong_operand_count_is_an_error_not_a_crash():
     x = torch.randn(3)
     (y,) = ok([x], program.runtime().ffi.new("int64_t[]", [0]))
     assert y.data_ptr() == x.data_ptr(), "OUT hands the input's handle back"
+
+
+def test_log_program_prints_each_segments_instructions(monkeypatch, capfd):
+    monkeypatch.setenv("CPU_LAYOUT_LOG", "program")
+    model = Plain(layers=2).eval()
+    x = torch.randn(1, 16, 8, 8)
+    torch.testing.assert_close(compile_cpp(model)(x), model(x), rtol=1e-4, atol=1e-4)
+    err = capfd.readouterr().err
+    assert "cl_segment_0:" in err and "\nCONV " in err and "\nOUT 0 " in err, err[-2000:]

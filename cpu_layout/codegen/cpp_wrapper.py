@@ -28,11 +28,12 @@ symbolic sizes (codegen.sizes: postfix tokens), so a new batch size runs without
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from cpu_layout import ir
+from cpu_layout import config, ir
 from cpu_layout.lower import permutation_of
 from cpu_layout.schedule import _pair, pool_window
 from cpu_layout import layout as L
@@ -459,6 +460,8 @@ def build(g: ir.Graph, debug: bool = False):
         seg.outs = outs
         seg.pack = pack
         seg.program = _encode_segment(seg, kernels, outs, consts, sym_src, last_use, debug)
+        if config.log_enabled("program"):
+            print(f"{seg.name}: {len(seg.members)} nodes\n{seg.program.listing()}", file=sys.stderr)
         segs.append((gi, seg))
 
     # Rebuild the main graph: inputs, prologue, then segments and Python nodes in order.
