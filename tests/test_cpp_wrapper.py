@@ -576,3 +576,15 @@ def test_log_program_prints_each_segments_instructions(monkeypatch, capfd):
     torch.testing.assert_close(compile_cpp(model)(x), model(x), rtol=1e-4, atol=1e-4)
     err = capfd.readouterr().err
     assert "cl_segment_0:" in err and "\nCONV " in err and "\nOUT 0 " in err, err[-2000:]
+
+
+def test_the_encoders_opcodes_are_the_runtimes():
+    import re
+
+    from cpu_layout.codegen import program
+
+    src = program.csrc("segment_vm.cpp")
+    body = re.search(r"enum Op : int64_t \{(.*?)\};", src, re.S).group(1)
+    names = [n.split("=")[0].strip() for n in body.replace("\n", " ").split(",") if n.strip()]
+    assert names[-1] == "N_OPS" and "EXPECT = 1" in body
+    assert names[:-1] == list(program.OPS), "program.OPS must list csrc/segment_vm.cpp's enum Op in order"

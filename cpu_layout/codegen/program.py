@@ -5,10 +5,10 @@ compiled once per machine and torch into the build cache; a segment is an
 array of int64 instructions it interprets, so compiling a graph compiles
 only its fused kernels. Each instruction is `opcode, operand count,
 operands...`; registers hold tensor handles, one per buffer and one per
-layout conversion. The encoder (`SegmentEncoder`) decides everything the
-old per-graph C++ decided at compile time (release points, pooling, in-place
-residuals); the runtime only computes sizes and calls oneDNN, the kernels
-and ATen's C shim.
+layout conversion. The encoder (`SegmentEncoder`) decides at compile time
+everything that does not depend on sizes (release points, pooling, in-place
+residuals, conversions); the runtime computes sizes and calls oneDNN, the
+kernels and ATen's C shim.
 """
 from __future__ import annotations
 
