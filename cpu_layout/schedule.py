@@ -153,9 +153,9 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
 
 
 def bind(g: ir.Graph, extra_kernels=()):
-    """Compile the graph's kernels (and `extra_kernels`, into the same library:
-    one compiler run) and bind every node to what runs it. Returns (runners,
-    {kernel spec: its compiled runner} for every kernel compiled)."""
+    """Compile the graph's kernels and `extra_kernels` together (one compiler
+    run per core: cpp_kernels.compile_library) and bind every node to what runs
+    it. Returns (runners, {kernel spec: its compiled runner})."""
     from cpu_layout.codegen.cpp_kernels import compile_library
 
     knodes, specs = generated(g.nodes)
