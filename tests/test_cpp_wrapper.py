@@ -4,6 +4,8 @@ Python-only ops, buffer reuse and peak memory, errors from inside C++.
 (Values, sizes and strides against eager for every model are in
 test_backend.py, which runs each test under both wrappers.)
 """
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -588,3 +590,21 @@ def test_the_encoders_opcodes_are_the_runtimes():
     names = [n.split("=")[0].strip() for n in body.replace("\n", " ").split(",") if n.strip()]
     assert names[-1] == "N_OPS" and "EXPECT = 1" in body
     assert names[:-1] == list(program.OPS), "program.OPS must list csrc/segment_vm.cpp's enum Op in order"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_the_runtime_build_can_build_it(monkeypatch):
+    from cpu_layout.codegen import program
+
+    with program._runtime_lock:  # as if the background build were running at fork time
+        pid = os.fork()
+        if pid == 0:  # the child: the lock must be usable, the runtime loadable
+            code = 1
+            try:
+                got = program._runtime_lock.acquire(timeout=5)
+                program._runtime_lock.release()
+                code = 0 if got else 2
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, "the child inherited a held lock"

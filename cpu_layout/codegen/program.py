@@ -59,6 +59,16 @@ _runtime = None
 _runtime_lock = threading.Lock()
 
 
+def _after_fork_in_child():
+    # A child forked while the background build held the lock would wait on it forever.
+    global _runtime_lock
+    _runtime_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def csrc(name: str) -> str:
     """Text of csrc/<name>: the source tree's, or the copy an installed package carries."""
     here = os.path.dirname(os.path.abspath(__file__))
