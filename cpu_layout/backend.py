@@ -40,6 +40,10 @@ def _static_input_indices(n_inputs: int) -> List[int]:
     return list(idx) if idx is not None else []
 
 
+def _wants_cpp_wrapper(options: dict) -> bool:
+    return bool(options.get("cpp_wrapper", config.cpp_wrapper_default()))
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     """Lower, fuse, plan and generate the wrapper for one inference graph."""
     from cpu_layout import fuse, lower, schedule, threads
@@ -51,7 +55,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     g = lower.lower(gm, params)
     fuse.fuse_conv_epilogues(g)
     debug = bool(options.get("debug", config.debug()))
-    cpp = bool(options.get("cpp_wrapper", config.cpp_wrapper_default()))
+    cpp = _wants_cpp_wrapper(options)
     if cpp:
         from cpu_layout.codegen import cpp_wrapper, program
 
@@ -101,7 +105,7 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                           "or torch.inference_mode())")
         return gm.forward
 
-    if options.get("cpp_wrapper", config.cpp_wrapper_default()):
+    if _wants_cpp_wrapper(options):
         from cpu_layout.codegen import program
 
         program.prefetch_runtime()  # builds while aot_autograd traces, when not cached yet

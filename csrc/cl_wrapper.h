@@ -328,13 +328,22 @@ static inline void convert_into(H& out, const H& t) {
 // Layout copies made (runtime.COPIES counts them as the Python wrapper's own).
 static std::atomic<long long> layout_copies{0};
 
-// A copy of `t` dense in the given order (layout.to_order's conversion), on
-// `pool`'s storage when given one.
-static inline H copy_in_order(const H& t, bool cl, Pool* pool = nullptr) {
-  H out = pool ? pool->take((int)dim(t), sizes(t), cl, elsize(t)) : empty_dense((int)dim(t), sizes(t), cl, elsize(t));
+// A copy of `t` dense in the stride order `perm` (outermost dim first), on
+// `pool`'s storage when given one: the one place layout copies are made and counted.
+static inline H copy_in_perm(const H& t, const int* perm, Pool* pool = nullptr) {
+  const int nd = (int)dim(t);
+  int64_t st[16];
+  perm_strides(nd, sizes(t), perm, st);
+  H out = pool ? pool->take(nd, sizes(t), st, elsize(t)) : empty(nd, sizes(t), st, elsize(t));
   convert_into(out, t);
   layout_copies.fetch_add(1, std::memory_order_relaxed);
   return out;
+}
+// The same for a named order (layout.to_order's conversion).
+static inline H copy_in_order(const H& t, bool cl, Pool* pool = nullptr) {
+  int perm[16];
+  named_perm((int)dim(t), cl, perm);
+  return copy_in_perm(t, perm, pool);
 }
 // `t` itself when it is dense in the order, else a copy held by `tmp`.
 static inline const H& ordered(const H& t, bool cl, H& tmp, Pool* pool = nullptr) {
@@ -361,11 +370,7 @@ static inline bool in_order_perm(int nd, const int64_t* sz, const int64_t* st, c
 static inline const H& ordered_perm(const H& t, const int* perm, H& tmp, Pool* pool = nullptr) {
   const int nd = (int)dim(t);
   if (in_order_perm(nd, sizes(t), strides(t), perm)) return t;
-  int64_t st[16];
-  perm_strides(nd, sizes(t), perm, st);
-  tmp = pool ? pool->take(nd, sizes(t), st, elsize(t)) : empty(nd, sizes(t), st, elsize(t));
-  convert_into(tmp, t);
-  layout_copies.fetch_add(1, std::memory_order_relaxed);
+  tmp = copy_in_perm(t, perm, pool);
   return tmp;
 }
 

@@ -79,6 +79,18 @@ class Run {
     return regs_[(size_t)r].h;
   }
   void set(int64_t r, H&& h) { Reg& g = reg(r); g.alias = -1; g.h = std::move(h); }
+  // A conversion's result: `got` is the source register's handle (dst aliases
+  // it) or the copy held by `tmp` (dst owns it).
+  void converted(int64_t dst, int64_t src, const H& got, H& tmp) {
+    if (&got == &tmp) set(dst, std::move(tmp));
+    else { reg(dst).h.reset(); reg(dst).alias = src; }
+  }
+  // `nd` operands: a permutation of the dims.
+  void read_perm(int64_t nd, int* perm) {
+    if (nd > 16) fail("segment program: more than 16 dims");
+    const int64_t* p = P(nd);
+    for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p[i];
+  }
   // A fresh dense result: pooled storage, or its own when it leaves the segment (fresh == 1).
   H alloc(int64_t fresh, int nd, const int64_t* sz, bool cl, int es) {
     return fresh ? clw::empty_dense(nd, sz, cl, es) : pool_->take(nd, sz, cl, es);
@@ -300,21 +312,17 @@ void Run::run(uintptr_t* out) {
       case SYM_SCALAR: { const int64_t s = A(), i = A(); syms_[(size_t)s] = scalars_[i]; break; }
       case ORDERED: {  // dst src cl pooled: src itself when dense in that order, else a copy
         const int64_t d = A(), s = A(), cl = A(), pooled = A();
-        if (clw::dense_in(R(s), cl != 0)) { reg(d).h.reset(); reg(d).alias = s; }
-        else set(d, clw::copy_in_order(R(s), cl != 0, pooled ? pool_ : nullptr));
+        H tmp;
+        converted(d, s, clw::ordered(R(s), cl != 0, tmp, pooled ? pool_ : nullptr), tmp);
         break;
       }
       case ORDERED_PERM: {  // dst src nd perm[nd] pooled
         const int64_t d = A(), s = A(), nd = A();
-        const int64_t* p64 = P(nd);
-        const int64_t pooled = A();
-        if (nd > 16) fail("segment program: more than 16 dims");
         int perm[16];
-        for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
+        read_perm(nd, perm);
+        const int64_t pooled = A();
         H tmp;
-        const H& r = clw::ordered_perm(R(s), perm, tmp, pooled ? pool_ : nullptr);
-        if (&r == &tmp) set(d, std::move(tmp));
-        else { reg(d).h.reset(); reg(d).alias = s; }
+        converted(d, s, clw::ordered_perm(R(s), perm, tmp, pooled ? pool_ : nullptr), tmp);
         break;
       }
       case GIVE: {  // reg: back to the pool (an alias just stops aliasing)
@@ -338,10 +346,8 @@ void Run::run(uintptr_t* out) {
       }
       case PERMUTE: {  // out x nd perm[nd]
         const int64_t o = A(), x = A(), nd = A();
-        const int64_t* p64 = P(nd);
-        if (nd > 16) fail("segment program: more than 16 dims");
         int perm[16];
-        for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
+        read_perm(nd, perm);
         set(o, clw::permute(R(x), (int)nd, perm));
         break;
       }
@@ -355,10 +361,8 @@ void Run::run(uintptr_t* out) {
       }
       case REORDER_PERM: {  // reg nd perm[nd]
         const int64_t r = A(), nd = A();
-        const int64_t* p64 = P(nd);
-        if (nd > 16) fail("segment program: more than 16 dims");
         int perm[16];
-        for (int64_t i = 0; i < nd; ++i) perm[i] = (int)p64[i];
+        read_perm(nd, perm);
         H c;
         const H& got = clw::ordered_perm(reg(r).h, perm, c);
         if (&got == &c) reg(r).h = std::move(c);

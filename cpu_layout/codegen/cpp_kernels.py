@@ -21,9 +21,9 @@ each element is read before it is written, and no other element touches it). Tha
 makes ``#pragma omp simd`` legal without ``__restrict__``, which is therefore never emitted.
 """
 import hashlib
-import os
 import math
 import operator
+import os
 
 import torch
 
@@ -783,8 +783,7 @@ class _Kernel:
 
     def compile(self):
         if self._compiled is None:
-            lib = build.load_library(self.source(), self.cdef(), name_hint=self.describe(), flags=kernel_flags())
-            self._compiled = self._runner(self, lib)
+            compile_library([self], name_hint=self.describe())
         return self._compiled
 
     def __eq__(self, other):
