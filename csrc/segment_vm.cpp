@@ -13,6 +13,8 @@
  * for is that input itself. Every handle a call holds lives in the call's
  * register file, so an exception anywhere frees everything it allocated.
  */
+#include <atomic>
+#include <chrono>
 #include <memory>
 
 namespace clvm {
@@ -43,6 +45,16 @@ struct Program {
   clw::PoolSlot pool;
   ~Program() { delete pool.p.exchange(nullptr); }
 };
+
+// cl_profile(1): wall time and count per opcode, summed over every program
+// run in the process (slot N_OPS: whole runs). Off, it costs one load per run.
+std::atomic<int> g_profile{0};
+std::atomic<int64_t> g_op_ns[N_OPS + 1], g_op_count[N_OPS + 1];
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 struct Reg {
   H h;
@@ -290,8 +302,10 @@ void Run::layer_norm() {
 void Run::run(uintptr_t* out) {
   const int64_t* code = p_.code.data();
   const int64_t ncode = (int64_t)p_.code.size();
+  const bool prof = g_profile.load(std::memory_order_relaxed) != 0;
   for (int64_t pc = 0; pc < ncode;) {
     const int64_t op = code[pc], n = code[pc + 1];
+    const int64_t t0 = prof ? now_ns() : 0;
     a_ = code + pc + 2;
     const int64_t* end = a_ + n;
     pc += 2 + n;
@@ -508,6 +522,10 @@ void Run::run(uintptr_t* out) {
       default: fail("segment program: unknown opcode " + std::to_string(op));
     }
     if (a_ != end) fail("segment program: instruction " + std::to_string(op) + " has the wrong operand count");
+    if (prof) {  // op is known here: an unknown one failed above
+      g_op_ns[op].fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      g_op_count[op].fetch_add(1, std::memory_order_relaxed);
+    }
   }
 }
 
@@ -547,6 +565,8 @@ void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, in
 int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const int64_t* scalars, uintptr_t* out,
                    char* err, int errlen) {
   clvm::Program& p = *(clvm::Program*)prog;
+  const bool prof = clvm::g_profile.load(std::memory_order_relaxed) != 0;
+  const int64_t t0 = prof ? clvm::now_ns() : 0;
   try {
     clw::PoolLease lease(p.pool);
     clvm::Run run(p, consts, scalars, lease.get());
@@ -555,7 +575,25 @@ int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const
   } catch (const std::exception& e) {
     return clw::report(e, err, errlen);
   }
+  if (prof) {  // the whole call, registers' release included
+    clvm::g_op_ns[clvm::N_OPS].fetch_add(clvm::now_ns() - t0, std::memory_order_relaxed);
+    clvm::g_op_count[clvm::N_OPS].fetch_add(1, std::memory_order_relaxed);
+  }
   return 0;
+}
+
+void cl_profile(int on) { clvm::g_profile.store(on ? 1 : 0); }
+
+// Copies the counters into ns[]/count[] (opcode i at index i; index 0: whole
+// runs) and zeroes them; returns how many slots there are.
+int64_t cl_profile_take(int64_t* ns, int64_t* count, int64_t n) {
+  const int64_t slots = clvm::N_OPS;
+  for (int64_t i = 0; i < slots && i < n; ++i) {
+    const int64_t src = i == 0 ? clvm::N_OPS : i;
+    ns[i] = clvm::g_op_ns[src].exchange(0);
+    count[i] = clvm::g_op_count[src].exchange(0);
+  }
+  return slots;
 }
 
 void cl_program_free(void* prog) { delete (clvm::Program*)prog; }

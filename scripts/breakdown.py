@@ -2,17 +2,21 @@
 
     python scripts/breakdown.py [--suite torchvision|timm|builtin] --models a,b [--batch 1]
                                 [--size 224] [--threads 1] [--dtype float32|amp] [--iters 20]
+                                [--wrapper python|cpp]
 
-Compiles each model with cpu_layout's default (Python) wrapper under
-CPU_LAYOUT_PROFILE=1, which times every call the wrapper makes by kind
-(oneDNN convs, generated kernels, matmuls on ATen, views, layout copies, other
-ATen ops), and prints milliseconds per forward for each kind (ATen ops by name), the rest
-(Python glue between calls), the copies made per forward, and the plan's own
-predictions next to the measured times: of what its layouts decide (convs,
-copies, ATen pooling) and of the whole forward (plus modelled kernels,
-reductions, concats and ATen ops).
-The C++ wrapper runs the same kernels without the per-call Python: compare its
-latency in scripts/bench_models.py.
+Python wrapper (default): compiles under CPU_LAYOUT_PROFILE=1, which times
+every call the wrapper makes by kind (oneDNN convs, generated kernels, matmuls
+on ATen, views, layout copies, other ATen ops); the rest is Python glue
+between calls.
+C++ wrapper (--wrapper cpp): the segment runtime times each instruction it
+runs (`program.set_profiling`), grouped the same way; "segment runtime" is
+what its calls spend outside their instructions (taking inputs, releasing
+registers), and "outside the segments" is the rest of the forward: Dynamo's
+guards and frame, AOT's wrapper, and ours (module-state check, handles).
+Both print milliseconds per forward for each kind, the copies made per
+forward, and the plan's own predictions next to the measured times: of what
+its layouts decide (convs, copies, ATen pooling) and of the whole forward
+(plus modelled kernels, reductions, concats and ATen ops).
 """
 from __future__ import annotations
 
@@ -26,6 +30,33 @@ os.environ["CPU_LAYOUT_PROFILE"] = "1"  # read when each graph compiles
 import torch  # noqa: E402
 
 from cpu_layout import models, runtime, zoo  # noqa: E402
+
+
+# The segment runtime's opcodes, in the kinds the Python wrapper's profile uses.
+SEGMENT_KINDS = {
+    "conv (oneDNN)": ("CONV",),
+    "generated kernels": ("KERNEL", "REDUCTION", "LAYER_NORM", "POOL_KERNEL"),
+    "layout copies": ("ORDERED", "ORDERED_PERM", "REORDER", "REORDER_PERM"),
+    "views": ("RESHAPE", "PERMUTE", "UNSQUEEZE", "AS_STRIDED", "ALIAS", "SLICE"),
+    "cat/shuffle/clone": ("CAT", "SHUFFLE", "CLONE"),
+    "ATen (C shim)": ("MAX_POOL", "AVG_POOL", "CAT_SHIM", "UPSAMPLE", "INDEX", "MM", "ADDMM"),
+    "segment bookkeeping": ("EXPECT", "BLOB", "SYM_DIM", "SYM_SCALAR", "GIVE", "RESET", "CHECK", "OUT"),
+}
+
+
+def _segment_kinds(profile: dict, iters: int) -> dict:
+    """ms per forward per kind from program.take_profile(); "segment runtime" is
+    the runs' time outside their instructions."""
+    ms = {op: t / iters * 1e3 for op, (t, _) in profile.items()}
+    per = {}
+    for kind, ops_ in SEGMENT_KINDS.items():
+        v = sum(ms.get(op, 0.0) for op in ops_)
+        if v:
+            per[kind] = v
+    known = {op for ops_ in SEGMENT_KINDS.values() for op in ops_}
+    per.update({op: v for op, v in ms.items() if op != "run" and op not in known})  # a new opcode shows by name
+    per["segment runtime"] = ms.get("run", 0.0) - sum(per.values())
+    return per
 
 
 def build(suite, name, batch, size):
@@ -45,9 +76,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=("float32", "amp"))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--wrapper", default="python", choices=("python", "cpp"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from cpu_layout import backend
+    from cpu_layout.codegen import program
+
+    cpp = args.wrapper == "cpp"
 
     for name in args.models.split(","):
         model, x = build(args.suite, name, args.batch, args.size)
@@ -64,27 +99,35 @@ def main(argv=None):
         amp = args.dtype == "amp"
         try:
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                fn = torch.compile(model, backend="cpu_layout")
+                fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
                 for _ in range(3):
                     fn(x)
                 runtime.PROFILE.clear()
+                if cpp:
+                    program.set_profiling(True)
+                    program.take_profile()
                 c0 = runtime.COPIES["count"]
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
                     fn(x)
                 wall = (time.perf_counter() - t0) / args.iters * 1e3
+                if cpp:
+                    program.set_profiling(False)
+                    per = _segment_kinds(program.take_profile(), args.iters)
         finally:
             backend.compile_graph = real
         copies = (runtime.COPIES["count"] - c0) / args.iters
-        per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
+        if not cpp:
+            per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
         plans = [c.cpu_layout_graph.plan for c in graphs if hasattr(c.cpu_layout_graph, "plan")]
         print(f"{name} ({args.suite}, {args.dtype}, batch {x.shape[0]}, {tuple(x.shape[2:])}, "
-              f"{args.threads} threads): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
+              f"{args.threads} threads, {args.wrapper} wrapper): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
               f"{copies:.0f} layout copies per forward")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"  {k:22s} {v:9.3f} ms  {100 * v / wall:5.1f}%")
         rest = wall - sum(per.values())
-        print(f"  {'Python glue':22s} {rest:9.3f} ms  {100 * rest / wall:5.1f}%")
+        glue = "outside the segments" if cpp else "Python glue"
+        print(f"  {glue:22s} {rest:9.3f} ms  {100 * rest / wall:5.1f}%")
         pred = sum(p.total_cost for p in plans) / 1e3
         layout = sum(p.conv_cost + p.copy_cost + p.op_cost for p in plans) / 1e3
         priced = [k for k in per if k in ("conv (oneDNN)", "layout copies") or "pool2d" in k]
@@ -94,8 +137,7 @@ def main(argv=None):
                   f"measured {meas:.3f} ms ({layout / meas:.2f}x)")
         print(f"  plan's prediction of the whole forward (+ kernels, reductions, concats, ATen ops "
               f"modelled) {pred:.3f} ms; measured {wall:.3f} ms ({pred / wall:.2f}x), "
-              f"{wall - rest:.3f} ms without the Python glue the C++ wrapper does not have "
-              f"({pred / (wall - rest):.2f}x)")
+              f"{wall - rest:.3f} ms without the {glue} ({pred / (wall - rest):.2f}x)")
         sys.stdout.flush()
 
 

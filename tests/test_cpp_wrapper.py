@@ -608,3 +608,26 @@ def test_a_child_forked_during_the_runtime_build_can_build_it(monkeypatch):
                 os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0, "the child inherited a held lock"
+
+
+def test_the_runtime_times_each_instruction_it_runs_only_while_asked():
+    from cpu_layout.codegen import program
+
+    model = Plain(layers=3).eval()
+    x = torch.randn(1, 16, 8, 8)
+    fn = compile_cpp(model)
+    fn(x)
+    program.take_profile()
+    fn(x)
+    assert program.take_profile() == {}, "profiling is off by default"
+    program.set_profiling(True)
+    try:
+        for _ in range(3):
+            fn(x)
+    finally:
+        program.set_profiling(False)
+    prof = program.take_profile()
+    assert prof["run"][1] == 3 and prof["CONV"][1] == 3 * 3, prof
+    assert all(t >= 0 for t, _ in prof.values())
+    assert prof["run"][0] >= sum(t for op, (t, _) in prof.items() if op != "run")
+    assert program.take_profile() == {}, "taking the counters zeroes them"

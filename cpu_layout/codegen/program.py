@@ -49,6 +49,8 @@ int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const
                    uintptr_t* out, char* err, int errlen);
 void cl_program_free(void* prog);
 long long cl_layout_copies(void);
+void cl_profile(int on);
+int64_t cl_profile_take(int64_t* ns, int64_t* count, int64_t n);
 void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);
 """
 # The runtime is optimised like a library, not like kernels: it is shape
@@ -98,6 +100,22 @@ def runtime() -> build.Library:
                                     addr("cl_copy_strided"), addr("cl_channel_shuffle"))
             _runtime = lib
     return _runtime
+
+
+def set_profiling(on: bool) -> None:
+    """Time every instruction the segment runtime runs, in every program of the process."""
+    runtime().lib.cl_profile(1 if on else 0)
+
+
+def take_profile() -> dict:
+    """Seconds and counts per opcode name since the last take ("run": whole
+    program runs, registers' release included), and zero the counters."""
+    rt = runtime()
+    n = len(OPS) + 1
+    ns, count = rt.ffi.new("int64_t[]", n), rt.ffi.new("int64_t[]", n)
+    rt.lib.cl_profile_take(ns, count, n)
+    names = ["run", *OPS]
+    return {names[i]: (ns[i] * 1e-9, count[i]) for i in range(n) if count[i]}
 
 
 def prefetch_runtime() -> None:
