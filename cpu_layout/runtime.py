@@ -109,14 +109,16 @@ def _key(t: Optional[torch.Tensor]):
 
 class StateKey:
     """Whether the module-state tensors of a call are what they were when last
-    remembered: same storage address, content version and dtype, and the same
-    epoch (ops.refresh). Checked on every forward against hundreds of
-    parameters, so it runs in C loops (map over attribute getters, list
-    equality) and builds no tuple per parameter: those kept Python's garbage
-    collector busy (5% of mobilenet_v3's forward). Arguments that are not
-    tensors are not compared (they are constants of the graph)."""
+    remembered: same storage address and content version, and the same epoch
+    (ops.refresh). Checked on every forward against hundreds of parameters, so
+    it runs in C loops (map over attribute getters, list equality) and builds
+    no tuple per parameter: those kept Python's garbage collector busy (5% of
+    mobilenet_v3's forward). Dtypes are not compared: Dynamo guards every
+    tensor input's dtype, so a compiled graph only ever sees the dtypes it was
+    compiled for. Arguments that are not tensors are not compared (they are
+    constants of the graph)."""
 
-    __slots__ = ("epoch", "mask", "ptrs", "versions", "dtypes")
+    __slots__ = ("epoch", "mask", "ptrs", "versions")
 
     def __init__(self):
         self.epoch = None
@@ -135,8 +137,7 @@ class StateKey:
             versions = list(map(_VERSION, ts))
         except RuntimeError:  # an inference tensor: no version counter
             versions = [ops.content_version(t) for t in ts]
-        return (versions == self.versions and list(map(_DATA_PTR, ts)) == self.ptrs
-                and list(map(_DTYPE, ts)) == self.dtypes)
+        return versions == self.versions and list(map(_DATA_PTR, ts)) == self.ptrs
 
     def remember(self, values) -> None:
         mask = [isinstance(v, torch.Tensor) for v in values]
@@ -144,12 +145,10 @@ class StateKey:
         ts = self._tensors(values)
         self.ptrs = list(map(_DATA_PTR, ts))
         self.versions = [ops.content_version(t) for t in ts]
-        self.dtypes = list(map(_DTYPE, ts))
         self.epoch = ops.state_epoch()
 
 
 _VERSION = operator.attrgetter("_version")
-_DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 
 

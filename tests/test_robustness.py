@@ -238,7 +238,7 @@ def test_state_key_sees_every_kind_of_change():
     assert not key.same([w, 3, b]), "an in-place change bumps the version"
     key.remember([w, 3, b])
     assert not key.same([w, 3, b.clone()]), "other storage"
-    assert not key.same([w, 3, b.to(torch.float64)]), "other dtype"
+    assert not key.same([w, 3, b.to(torch.float64)]), "another dtype is another storage"
     assert not key.same([w, 3]), "fewer tensors"
     with torch.inference_mode():
         wi, bi = torch.randn(4), torch.randn(4)

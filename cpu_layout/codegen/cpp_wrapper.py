@@ -439,6 +439,7 @@ def build(g: ir.Graph, debug: bool = False):
         for b in n.inputs:
             if b.is_tensor and b.constant and b.producer in const_set and b not in exports:
                 exports.append(b)
+    python_read = set(exports)
     for spec in seg_specs:
         exports += [b for b in spec[3] if b not in exports]
     pro_graph = ir.Graph()
@@ -474,7 +475,8 @@ def build(g: ir.Graph, debug: bool = False):
                            args=tuple(params), multi=True)
         new_nodes.append(pro_node)
         for i, b in enumerate(exports + packs):
-            new_nodes.append(ir.Getitem(f"const{i}", [pro_out], b, index=i))
+            if b in python_read or b in packs:  # segments read their constants through the pack
+                new_nodes.append(ir.Getitem(f"const{i}", [pro_out], b, index=i))
     seg_of = dict(segs)
     for gi, grp in enumerate(groups):
         if gi in seg_of:
