@@ -29,6 +29,13 @@ backend compiled (and, for frz, that Inductor's freeze() really ran).
                                    [--batch N] [--size N] [--dtypes float32,amp]
                                    [--shapes static,dynamic] [--backends eager,cplcpp,ov]
                                    [--threads N] [--iters N] [--quick] [--csv PATH]
+                                   [--skip-guards]
+
+--skip-guards times every torch.compile'd variant under
+torch.compiler.set_stance(skip_guard_eval_unsafe=True): Dynamo then checks only the
+guards that tell its cached graphs apart, the setting for serving one model with
+fixed input shapes (unsafe otherwise: it may run a graph compiled for other inputs).
+At batch 1 Dynamo's guards are a sizeable part of a small model's per-call time.
 
 Inductor compile times dominate the run time (seconds to tens of seconds per graph on
 two cores, less once its on-disk caches are warm); --backends drops some.
@@ -36,6 +43,7 @@ two cores, less once its on-disk caches are warm); --backends drops some.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import os
@@ -169,7 +177,10 @@ def run_config(name, dtype, shape, variants, args):
     if "eager" not in fns:
         return res
     rounds, per = args.rounds, max(1, args.iters // args.rounds)
-    lat = B.interleaved_medians(fns, rounds=rounds, iters=per, warmup=args.warmup)
+    stance = (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if args.skip_guards
+              else contextlib.nullcontext())
+    with stance:
+        lat = B.interleaved_medians(fns, rounds=rounds, iters=per, warmup=args.warmup)
     for label, (c, _) in fns.items():
         try:
             c.check_own_code(args.warmup + rounds * per)
@@ -319,6 +330,9 @@ def main(argv=None):
                     help="fresh, empty Inductor and cpu_layout on-disk caches (cold compile times; "
                          "default: whatever caches exist, usually warm after a first run)")
     ap.add_argument("--csv", help="write one row per model/dtype/shape/variant here")
+    ap.add_argument("--skip-guards", action="store_true",
+                    help="time compiled variants under torch.compiler.set_stance("
+                         "skip_guard_eval_unsafe=True) (serving; see above)")
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.rounds, args.warmup = 12, 3, 2
@@ -361,7 +375,8 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
           f"{args.iters} timed calls per variant in {args.rounds} interleaved rounds; "
-          f"compile caches: {'fresh (cold)' if args.cold else 'as found on disk (may be warm)'}")
+          f"compile caches: {'fresh (cold)' if args.cold else 'as found on disk (may be warm)'}"
+          f"{'; Dynamo guards skipped while timing (--skip-guards)' if args.skip_guards else ''}")
     t_start = time.perf_counter()
     results = []
     configs = [(n, d, s) for n in names for d in dtypes for s in shapes]
