@@ -199,6 +199,9 @@ class Aten(Node):
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     multi: bool = False  # returns a tuple; Getitem nodes pick from it
+    # Takes its inputs (graph inputs all) as one tuple picked from the wrapper's
+    # boxed argument list: the cpp_wrapper prologue, which reads every parameter.
+    picks_args: bool = False
 
 
 @dataclass(eq=False)

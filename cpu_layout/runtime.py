@@ -391,7 +391,7 @@ class ConstantPrologue:
         self.key = StateKey()
         self.value = None
 
-    def __call__(self, *params):
+    def __call__(self, params: tuple):
         if self.value is not None and self.key.same(params):
             return self.value
         vals = tuple(self.fn(list(params)))

@@ -439,7 +439,9 @@ def build(g: ir.Graph, debug: bool = False):
         for b in n.inputs:
             if b.is_tensor and b.constant and b.producer in const_set and b not in exports:
                 exports.append(b)
-    python_read = set(exports)
+    # Read outside the segments (a segment reads its constants through its pack).
+    python_read = {b for grp in groups if not isinstance(grp, list) for b in grp.inputs}
+    python_read.update(output.inputs)
     for spec in seg_specs:
         exports += [b for b in spec[3] if b not in exports]
     pro_graph = ir.Graph()
@@ -472,10 +474,10 @@ def build(g: ir.Graph, debug: bool = False):
     packs = [seg.pack for _, seg in segs]
     if const_nodes or segs:
         pro_node = ir.Aten("prologue", list(params), pro_out, rule=ir.FREE, target=None,
-                           args=tuple(params), multi=True)
+                           args=tuple(params), multi=True, picks_args=True)
         new_nodes.append(pro_node)
         for i, b in enumerate(exports + packs):
-            if b in python_read or b in packs:  # segments read their constants through the pack
+            if b in python_read or b in packs:
                 new_nodes.append(ir.Getitem(f"const{i}", [pro_out], b, index=i))
     seg_of = dict(segs)
     for gi, grp in enumerate(groups):
