@@ -12,10 +12,11 @@ cache; primitives are cached by problem shape (LRU, see `set_cache_capacity`).
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -510,6 +511,64 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
     )
     _native.check(rc)
     return y.squeeze(0) if unbatched else y
+
+
+# ---- torch's bundled oneDNN: the other candidate for a channels-last conv -------------
+#
+# torch ships its own (newer) oneDNN behind torch.ops.mkldnn._convolution_pointwise.
+# Per conv it is sometimes the faster one (depthwise convs with a fused swish on
+# EPYC Zen 4: 0.33 vs 0.39 ms, its brgconv_dw handles the post-op better than our
+# 3.2's brdgmm_dw), often not; plan/measure.py times both and the plan keeps the
+# faster. It takes a plain weight (reordered per call: a few percent on the small
+# depthwise/grouped weights where it can win; no packed copy to keep fresh), fuses
+# at most one unary post-op, and returns a channels-last result for a channels-last
+# input, so it is a candidate only for convs the plan runs in NHWC.
+
+_ATEN_UNARY = {"relu": "relu", "silu": "swish", "hardswish": "hardswish", "sigmoid": "sigmoid",
+               "tanh": "tanh", "gelu": "gelu", "gelu_erf": "gelu", "gelu_tanh": "gelu"}
+
+
+def aten_conv_attr(post_ops) -> Optional[tuple]:
+    """(attr, scalars, algorithm) of torch's convolution_pointwise for these
+    post-ops, or None when it cannot fuse them (a residual add, more than one)."""
+    ops_ = list(post_ops or ())
+    if not ops_:
+        return ("none", [], None)
+    if len(ops_) > 1:
+        return None
+    po = ops_[0]
+    name, params = (po, ()) if isinstance(po, str) else (po[0], tuple(po[1:]))
+    if name in _ATEN_UNARY and not params:
+        alg = "tanh" if name == "gelu_tanh" else "none" if _ATEN_UNARY[name] == "gelu" else None
+        return (_ATEN_UNARY[name], [], alg)
+    if name == "relu6" and not params:
+        return ("hardtanh", [0.0, 6.0], None)
+    if name == "clamp" and len(params) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v)
+                                                    for v in params):
+        return ("hardtanh", [float(params[0]), float(params[1])], None)
+    if name == "leaky_relu" and len(params) <= 1:
+        return ("leaky_relu", [float(params[0]) if params else 0.01], None)
+    return None
+
+
+def aten_conv_candidate(in_size, out_size, post_ops) -> Optional[tuple]:
+    """aten_conv_attr for a 2-D conv torch's oneDNN can run here, else None. Its
+    result follows `suggest_memory_format`, which calls a tensor with a channel
+    or spatial size of 1 contiguous (a linear run as a [1, K, 1, M] conv came
+    back NCHW): those stay on ours, whose output layout is the plan's."""
+    if len(in_size) != 4 or len(out_size) != 4:
+        return None
+    if not all(type(v) is int and v > 1 for v in (*in_size[1:], *out_size[1:])):
+        return None
+    return aten_conv_attr(post_ops)
+
+
+def aten_conv2d(x, weight, bias, stride, padding, dilation, groups, attr: tuple) -> torch.Tensor:
+    """A 2-D conv on torch's bundled oneDNN; `attr` from aten_conv_attr. The result is
+    channels-last when `x` is."""
+    unary, scalars, alg = attr
+    return torch.ops.mkldnn._convolution_pointwise(x, weight, bias, list(padding), list(stride),
+                                                   list(dilation), groups, unary, scalars, alg)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):

@@ -230,6 +230,8 @@ class ConvCall:
         self.fold = (Memoized(functools.partial(fold_batch_norm, eps=node.bn.eps))
                      if node.bn is not None else None)
         self.bn_has = (node.bn.weight is not None, node.bn.bias is not None) if node.bn else None
+        # torch's bundled oneDNN instead (schedule.choose_conv_impls): NHWC, no residuals.
+        self.aten_attr = ops.aten_conv_attr(node.post_ops) if node.impl == "aten" else None
 
     def __call__(self, x, w, *rest):
         rest = list(rest)
@@ -239,6 +241,9 @@ class ConvCall:
             bn_b = rest.pop(0) if self.bn_has[1] else None
             mean, var = rest.pop(0), rest.pop(0)
             w, b = self.fold(w, b, bn_w, bn_b, mean, var)
+        if self.aten_attr is not None:
+            return ops.aten_conv2d(ops.to_dense(x, True), w, b, self.stride, self.padding, self.dilation,
+                                   self.groups, self.aten_attr)
         post = self.post_template
         if self.n_residuals:
             it = iter(rest)

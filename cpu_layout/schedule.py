@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from cpu_layout import ir
+from cpu_layout import config, ir, ops
 from cpu_layout import layout as L
 from cpu_layout import runtime
 
@@ -148,8 +148,29 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
 
         choose = ir_plan.planner_choice(g, kernels)
     _propagate(g, choose)
+    choose_conv_impls(g)
     if kernels:
         fuse.fuse_pointwise(g)
+
+
+def choose_conv_impls(g: ir.Graph) -> None:
+    """Each conv the plan runs in NHWC runs on torch's bundled oneDNN where that
+    was measured faster (its ConvCost.nhwc_impl) and can run it: a float32/bfloat16
+    conv ops.aten_conv_candidate admits.
+    CPU_LAYOUT_CONV_IMPL=onednn|aten overrides the measurement."""
+    force = config.conv_impl()
+    decided = getattr(getattr(g, "plan", None), "convs", {})
+    for n in g.nodes:
+        if not isinstance(n, ir.Conv):
+            continue
+        n.impl = "onednn"
+        if (force == "onednn" or n.out.layout != L.CHANNELS_LAST
+                or n.x.dtype not in (torch.float32, torch.bfloat16)
+                or ops.aten_conv_candidate(n.x.size, n.out.size, n.post_ops) is None):
+            continue
+        d = decided.get(n.out.name)
+        if force == "aten" or (d is not None and d.cost.nhwc_impl == "aten"):
+            n.impl = "aten"
 
 
 def bind(g: ir.Graph, extra_kernels=()):

@@ -52,6 +52,9 @@ AOTITorchError aoti_torch_cpu_cat(const AtenTensorHandle*, int64_t, int64_t, Ate
 AOTITorchError aoti_torch_cpu_addmm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle,
                                         AtenTensorHandle, double, double);
 AOTITorchError aoti_torch_cpu_mm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle);
+AOTITorchError aoti_torch_cpu_mkldnn__convolution_pointwise(
+    AtenTensorHandle, AtenTensorHandle, AtenTensorHandle*, const int64_t*, int64_t, const int64_t*, int64_t,
+    const int64_t*, int64_t, int64_t, const char*, const double**, int64_t, const char**, AtenTensorHandle*);
 AOTITorchError aoti_torch_cpu_index_Tensor(AtenTensorHandle, const AtenTensorHandle**, int64_t,
                                            AtenTensorHandle*);
 }

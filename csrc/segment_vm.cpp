@@ -28,7 +28,7 @@ enum Op : int64_t {
   EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
   REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
   MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
-  CLONE, SHUFFLE, CHECK, OUT, N_OPS
+  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, N_OPS
 };
 
 // Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
@@ -519,6 +519,31 @@ void Run::run(uintptr_t* out) {
       }
       case CHECK: { const int64_t r = A(), cl = A(); clw::check_order(R(r), cl != 0, S(A()).c_str()); break; }
       case OUT: { const int64_t j = A(), r = A(); out[j] = (uintptr_t)reg(r).h.release(); break; }
+      case ATEN_CONV: {  // out x w b pad[2] stride[2] dil[2] groups attr n scalar_reals[n] alg msg
+        const int64_t o = A(), x = A(), w = A(), b = A();
+        const int64_t *pad = P(2), *st = P(2), *dl = P(2);
+        const int64_t groups = A(), attr = A(), ns = A();
+        const int64_t* sc = P(ns);
+        const int64_t alg = A();
+        const std::string& msg = S(A());
+        if (ns > 4) fail(msg + ": more than 4 post-op scalars");
+        double vals[4];
+        const double* ptrs[4];
+        for (int64_t i = 0; i < ns; ++i) { vals[i] = p_.reals[(size_t)sc[i]]; ptrs[i] = &vals[i]; }
+        const H* xs = &R(x);
+        H xc;  // a channel slice of NHWC: dense first, as the CONV instruction does
+        if (!clw::dense_in(*xs, true)) { xc = clw::copy_in_order(*xs, true); xs = &xc; }
+        AtenTensorHandle bias = b >= 0 ? R(b).get() : nullptr;
+        const char* alg_s = alg >= 0 ? S(alg).c_str() : nullptr;
+        AtenTensorHandle ret = nullptr;
+        clw::shim(aoti_torch_cpu_mkldnn__convolution_pointwise(
+                      xs->get(), R(w).get(), b >= 0 ? &bias : nullptr, pad, 2, st, 2, dl, 2, groups,
+                      S(attr).c_str(), ptrs, ns, alg >= 0 ? &alg_s : nullptr, &ret), msg.c_str());
+        H t(ret);
+        if (!clw::dense_in(t, true)) fail(msg + ": torch's convolution returned a tensor that is not channels-last");
+        set(o, std::move(t));
+        break;
+      }
       default: fail("segment program: unknown opcode " + std::to_string(op));
     }
     if (a_ != end) fail("segment program: instruction " + std::to_string(op) + " has the wrong operand count");

@@ -35,6 +35,7 @@ from cpu_layout import models, runtime, zoo  # noqa: E402
 # The segment runtime's opcodes, in the kinds the Python wrapper's profile uses.
 SEGMENT_KINDS = {
     "conv (oneDNN)": ("CONV",),
+    "conv (torch's oneDNN)": ("ATEN_CONV",),
     "generated kernels": ("KERNEL", "REDUCTION", "LAYER_NORM", "POOL_KERNEL"),
     "layout copies": ("ORDERED", "ORDERED_PERM", "REORDER", "REORDER_PERM"),
     "views": ("RESHAPE", "PERMUTE", "UNSQUEEZE", "AS_STRIDED", "ALIAS", "SLICE"),
@@ -130,7 +131,7 @@ def main(argv=None):
         print(f"  {glue:22s} {rest:9.3f} ms  {100 * rest / wall:5.1f}%")
         pred = sum(p.total_cost for p in plans) / 1e3
         layout = sum(p.conv_cost + p.copy_cost + p.op_cost for p in plans) / 1e3
-        priced = [k for k in per if k in ("conv (oneDNN)", "layout copies") or "pool2d" in k]
+        priced = [k for k in per if k in ("conv (oneDNN)", "conv (torch's oneDNN)", "layout copies") or "pool2d" in k]
         meas = sum(per[k] for k in priced)
         if meas:
             print(f"  plan's prediction of what its layouts decide (convs, copies, pooling) {layout:.3f} ms; "

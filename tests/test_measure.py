@@ -29,7 +29,7 @@ def conv_graph(size=(1, 32, 16, 16), groups=1):
 def test_measures_once_then_reads_the_disk_cache(cache, monkeypatch):
     model = measure.MeasuredCostModel(None)
     c = model.conv_cost(conv_graph()["c"])
-    assert c.source == "measured on this machine" and c.nchw_us > 0 and c.nhwc_us > 0
+    assert c.source.startswith("measured: ours NCHW") and c.nchw_us > 0 and c.nhwc_us > 0
     model.save()
     files = list((cache / "autotune").iterdir())
     assert len(files) == 1 and f"{torch.get_num_threads()}t" in files[0].name
@@ -73,7 +73,7 @@ def test_a_compile_plans_with_measured_costs(cache, monkeypatch):
         y = torch.compile(model, backend="cpu_layout")(x)
         torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-4)
     plan = made[0].cpu_layout_graph.plan
-    assert all(d.cost.source == "measured on this machine" for d in plan.convs.values()), plan.explain()
+    assert all(d.cost.source.startswith("measured: ") for d in plan.convs.values()), plan.explain()
     assert os.listdir(cache / "autotune")
     torch._dynamo.reset()
 

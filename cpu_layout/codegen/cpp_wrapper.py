@@ -240,6 +240,8 @@ def _encode_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: Lis
     for m in seg.members:
         if isinstance(m, ir.Conv):
             needs_handle.update(p[1] for p in m.post_ops if isinstance(p, tuple) and p[1] in consts)
+            if m.impl == "aten":  # torch's convolution takes tensors
+                needs_handle.update(b for b in (m.weight, m.bias) if b is not None and b in consts)
     for i, b in enumerate(consts):
         if b in needs_handle:
             em.reg[b] = prog.reg()

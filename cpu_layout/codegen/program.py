@@ -27,7 +27,7 @@ aten = torch.ops.aten
 # Opcodes: csrc/segment_vm.cpp's enum Op, in the same order.
 OPS = ("EXPECT BLOB SYM_DIM SYM_SCALAR ORDERED ORDERED_PERM GIVE RESET CONV KERNEL REDUCTION LAYER_NORM "
        "RESHAPE PERMUTE UNSQUEEZE REORDER REORDER_PERM POOL_KERNEL MAX_POOL AVG_POOL CAT CAT_SHIM "
-       "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT").split()
+       "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV").split()
 OP = {name: i + 1 for i, name in enumerate(OPS)}
 
 ES = {torch.float32: 4, torch.bfloat16: 2}
@@ -326,6 +326,8 @@ class SegmentEncoder:
     def conv(self, n: ir.Conv):
         from cpu_layout.codegen.cpp_wrapper import weight_format
 
+        if n.impl == "aten":
+            return self.aten_conv(n)
         nsp = n.x.rank - 2
         dst_cl = int(n.out.layout == L.CHANNELS_LAST)
         wi = self.consts.index(n.weight)
@@ -346,6 +348,17 @@ class SegmentEncoder:
                   k, n.stride, n.padding, n.dilation, len(parsed), post_ops, len(res), res,
                   self.reg[inplace] if inplace is not None else -1, self.fresh_flag(n.out),
                   self.p.name(n.name))
+
+    def aten_conv(self, n: ir.Conv):
+        """A conv on torch's bundled oneDNN (ops.aten_conv2d): NHWC, no residuals."""
+        unary, scalars, alg = ops.aten_conv_attr(n.post_ops)
+        x = self.read(n, n.x)
+        b = self.reg[n.bias] if n.bias is not None else -1
+        out = self.out_reg(n)
+        self.fresh_flag(n.out)  # its own storage: to the pool when it dies
+        self.p.op("ATEN_CONV", out, x, self.reg[n.weight], b, n.padding, n.stride, n.dilation, n.groups,
+                  self.p.name(unary), len(scalars), [self.p.real(v) for v in scalars],
+                  self.p.name(alg) if alg is not None else -1, self.p.name(n.name))
 
     def inplace_residual(self, n: ir.Conv, residuals: List[ir.Buffer]) -> Optional[ir.Buffer]:
         """The first residual when the conv's output may take over its storage: the

@@ -75,6 +75,8 @@ class ConvCost:
     nchw_us: float
     nhwc_us: float
     source: str  # "table: <class>" or "heuristic: <rule>"
+    # What runs the conv in NHWC at nhwc_us: "onednn" (ours) or "aten" (torch's bundled oneDNN).
+    nhwc_impl: str = "onednn"
 
     def of(self, label: str) -> float:
         return self.nhwc_us if label == CHANNELS_LAST else self.nchw_us

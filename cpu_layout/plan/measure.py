@@ -7,8 +7,11 @@ shape the plan prices is run once in each layout on cpu_layout's oneDNN path,
 with its fused post-ops (a residual in the output's layout), and the medians
 are the costs. Post-ops are part of the problem: a GEMM kernel applies them in
 a separate pass, and measured without them efficientnet_b0's convs ran 1.37x
-slower in the graph than the plan predicted. Results are cached on disk per oneDNN ISA and
-thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv-<isa>-<threads>t.json`,
+slower in the graph than the plan predicted. A conv torch's bundled oneDNN can also run
+(`ops.aten_conv_candidate`: at most one unary post-op, no size-1 dims) is timed on it too, in NHWC,
+and runs there when it is at least ASWELL_MARGIN faster (`ConvCost.nhwc_impl`).
+Results are cached on disk per oneDNN ISA and
+thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv2-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
@@ -31,6 +34,9 @@ from cpu_layout import config
 from cpu_layout.plan.cost import ConvCost, CostModel, cpu_isa
 
 _LOCK = threading.Lock()
+# torch's oneDNN must beat ours by this much to be chosen: a measured median on a
+# shared machine moves by a few percent from run to run.
+ASWELL_MARGIN = 0.05
 
 
 class MeasuredCostModel(CostModel):
@@ -48,7 +54,7 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv2-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
         if self._disk is None:
@@ -87,7 +93,7 @@ class MeasuredCostModel(CostModel):
                 self._new[key] = got
         if got is None:
             return super().conv_cost(conv)
-        return ConvCost(got[0], got[1], "measured on this machine")
+        return measured_cost(got)
 
     def save(self) -> None:
         """Merge what this process measured into the on-disk cache (atomic replace)."""
@@ -113,9 +119,23 @@ class MeasuredCostModel(CostModel):
                 pass  # a read-only cache: measure again next time
 
 
+def measured_cost(got) -> ConvCost:
+    """The cost of a conv from its timings [NCHW, NHWC, torch's oneDNN NHWC or None] (µs)."""
+    nchw, nhwc = got[0], got[1]
+    aten = got[2] if len(got) > 2 else None
+    text = f"measured: ours NCHW {nchw:.0f} us, NHWC {nhwc:.0f} us"
+    if aten is None:
+        return ConvCost(nchw, nhwc, text)
+    text += f", torch's oneDNN NHWC {aten:.0f} us"
+    if aten < (1.0 - ASWELL_MARGIN) * nhwc:
+        return ConvCost(nchw, aten, text + " (NHWC runs on torch's)", nhwc_impl="aten")
+    return ConvCost(nchw, nhwc, text)
+
+
 def _measure(conv, rounds: int = 5):
     """Median µs of the conv in NCHW and in NHWC on cpu_layout's oneDNN path
-    (input, output and residual in that layout, bias, its post-ops), interleaved."""
+    (input, output and residual in that layout, bias, its post-ops), and in NHWC
+    on torch's bundled oneDNN when it can run the conv (else None), interleaved."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # compiles run under Dynamo's fake tensors: time real ones
@@ -137,13 +157,20 @@ def _measure_real(conv, rounds):
     for lay in xs:
         r = res.contiguous(memory_format=torch.channels_last if lay == "nhwc" else torch.contiguous_format)
         post[lay] = [("add", r) if p == "add" else p for p in conv.post_ops]
-    times = {k: [] for k in xs}
+    runs = {lay: (lambda xi=xi, lay=lay: ops.conv2d(xi, w, b, out_layout=lay, post_ops=post[lay], **args))
+            for lay, xi in xs.items()}
+    attr = ops.aten_conv_candidate(conv.in_size, conv.size, conv.post_ops)
+    if attr is not None:
+        runs["aten"] = lambda: ops.aten_conv2d(xs["nhwc"], w, b, conv.stride, conv.padding, conv.dilation,
+                                               conv.groups, attr)
+    times = {k: [] for k in runs}
     with torch.no_grad():
-        for lay, xi in xs.items():
-            ops.conv2d(xi, w, b, out_layout=lay, post_ops=post[lay], **args)  # primitive, weight reorder
+        for run in runs.values():
+            run()  # primitive creation, weight reorder
         for _ in range(rounds):
-            for lay, xi in xs.items():
+            for k, run in runs.items():
                 t0 = time.perf_counter()
-                ops.conv2d(xi, w, b, out_layout=lay, post_ops=post[lay], **args)
-                times[lay].append((time.perf_counter() - t0) * 1e6)
-    return [statistics.median(times["nchw"]), statistics.median(times["nhwc"])]
+                run()
+                times[k].append((time.perf_counter() - t0) * 1e6)
+    return [statistics.median(times["nchw"]), statistics.median(times["nhwc"]),
+            statistics.median(times["aten"]) if "aten" in times else None]

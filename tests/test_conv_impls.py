@@ -1,0 +1,206 @@
+"""A channels-last conv runs on cpu_layout's oneDNN or on torch's bundled one,
+whichever was measured faster (plan/measure.py, schedule.choose_conv_impls).
+Every candidate must give eager's values and strides in both wrappers, follow
+weight changes, and run from several threads; CPU_LAYOUT_CONV_IMPL forces one."""
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpu_layout import ir, ops
+from cpu_layout.plan import measure
+
+IMPLS = ["onednn", "aten"]
+MODES = [False, True]
+
+
+class Mixed(nn.Module):
+    """conv+BN+SiLU, depthwise+hardswish, strided+ReLU6, a residual conv (ours only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 32, 1, bias=False)
+        self.bn = nn.BatchNorm2d(32)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.c2 = nn.Conv2d(32, 32, 3, stride=2, padding=1)
+        self.c3 = nn.Conv2d(32, 32, 1)
+
+    def forward(self, x):
+        y = F.silu(self.bn(self.c1(x)))
+        y = F.hardswish(self.dw(y))
+        y = F.relu6(self.c2(y))
+        return F.relu(self.c3(y) + y)
+
+
+def _model():
+    m = Mixed().eval()
+    m.bn.running_mean.uniform_(-0.5, 0.5)
+    m.bn.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+def _compile(model, cpp):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+
+
+def _impls(graph):
+    """The impl of each conv of one compiled graph (inside segments in cpp_wrapper mode)."""
+    nodes = graph.cpu_layout_graph.nodes
+    members = [m for n in nodes if isinstance(n, ir.Segment) for m in n.members] + list(nodes)
+    return sorted(m.impl for m in members if isinstance(m, ir.Conv))
+
+
+@pytest.mark.parametrize("post_ops, ref", [
+    ([], lambda t: t),
+    (["relu"], F.relu),
+    (["silu"], F.silu),
+    (["hardswish"], F.hardswish),
+    (["sigmoid"], torch.sigmoid),
+    (["tanh"], torch.tanh),
+    (["gelu"], F.gelu),
+    (["gelu_tanh"], lambda t: F.gelu(t, approximate="tanh")),
+    (["relu6"], F.relu6),
+    ([("clamp", -1.0, 2.0)], lambda t: t.clamp(-1.0, 2.0)),
+    ([("leaky_relu", 0.2)], lambda t: F.leaky_relu(t, 0.2)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchs_conv_fuses_each_post_op_it_is_offered_for(post_ops, ref, dtype):
+    x = torch.randn(2, 16, 9, 9).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(16, 4, 3, 3) * 0.3).to(dtype)
+    b = torch.randn(16).to(dtype)
+    attr = ops.aten_conv_attr(post_ops)
+    y = ops.aten_conv2d(x, w, b, (1, 1), (1, 1), (1, 1), 4, attr)
+    want = ref(F.conv2d(x.float(), w.float(), b.float(), 1, 1, 1, 4))
+    assert y.is_contiguous(memory_format=torch.channels_last) and y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol)
+
+
+def test_post_ops_torchs_conv_cannot_fuse_keep_it_out():
+    assert ops.aten_conv_attr(["relu", "silu"]) is None
+    assert ops.aten_conv_attr([("add", object())]) is None
+    assert ops.aten_conv_attr([("clamp", float("-inf"), 1.0)]) is None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_each_candidate_gives_eagers_values_and_strides(impl, cpp, amp, grad_mode, monkeypatch, compiled_graphs):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", impl)
+    model = _model()
+    mode = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    fn = _compile(model, cpp)
+    with mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        for n in (2, 2, 3):
+            x = torch.randn(n, 8, 12, 12)
+            y, ref = fn(x), model(x)
+            assert y.shape == ref.shape and y.stride() == ref.stride()
+            tol = 5e-2 if amp else 1e-4
+            torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+    assert len(compiled_graphs) == 2  # batch 2, then a dynamic batch
+    for g in compiled_graphs:
+        # The residual conv (two post-ops: add, relu) stays on ours whatever is forced.
+        want = ["aten"] * 3 + ["onednn"] if impl == "aten" else ["onednn"] * 4
+        assert _impls(g) == want
+
+
+@pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
+def test_torchs_conv_follows_weight_changes(cpp, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "aten")
+    model = _model()
+    fn = _compile(model, cpp)
+    x = torch.randn(2, 8, 12, 12)
+    with torch.no_grad():
+        fn(x)
+        model.dw.weight.mul_(-2.0)                # in place
+        model.bn.running_var.add_(1.0)            # a folded source
+        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+        model.c2.weight = nn.Parameter(torch.randn_like(model.c2.weight))  # replaced
+        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
+def test_torchs_conv_runs_from_several_threads(cpp, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "aten")
+    model = _model()
+    fn = _compile(model, cpp)
+    xs = [torch.randn(2, 8, 12, 12) for _ in range(4)]
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+        fn(xs[0])
+    errors = []
+
+    def work(i):
+        try:
+            with torch.no_grad():
+                for _ in range(5):
+                    torch.testing.assert_close(fn(xs[i]), refs[i], rtol=1e-4, atol=1e-4)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_the_measured_faster_candidate_is_chosen_beyond_the_margin():
+    assert measure.measured_cost([100.0, 80.0, 70.0]).nhwc_impl == "aten"
+    assert measure.measured_cost([100.0, 80.0, 70.0]).nhwc_us == 70.0
+    assert measure.measured_cost([100.0, 80.0, 78.0]).nhwc_impl == "onednn", "within the margin: ours"
+    assert measure.measured_cost([100.0, 80.0, None]).nhwc_impl == "onednn"
+    assert measure.measured_cost([100.0, 80.0]).nhwc_impl == "onednn", "an entry from before the candidate"
+    assert "torch's oneDNN NHWC 70 us" in measure.measured_cost([100.0, 80.0, 70.0]).source
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_plan_runs_a_conv_where_it_measured_faster(faster, monkeypatch, compiled_graphs, tmp_path):
+    from cpu_layout.plan import cost
+
+    monkeypatch.setenv("CPU_LAYOUT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CPU_LAYOUT_CONV_IMPL", raising=False)
+    monkeypatch.delenv("CPU_LAYOUT_AUTOTUNE", raising=False)
+    monkeypatch.setattr(cost, "_DEFAULT", None)  # a fresh model: this test's timings
+    monkeypatch.setattr(measure, "_measure",
+                        lambda conv: [100.0, 50.0, 20.0 if faster else 60.0 if conv.groups > 1 else None])
+    model = _model()
+    x = torch.randn(2, 8, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(_compile(model, True)(x), model(x), rtol=1e-4, atol=1e-4)
+    assert _impls(compiled_graphs[0]) == (["aten"] * 3 + ["onednn"] if faster else ["onednn"] * 4)
+
+
+def test_an_unknown_conv_impl_setting_is_an_error(monkeypatch):
+    from cpu_layout import config
+
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "fastest")
+    with pytest.raises(ValueError, match="CPU_LAYOUT_CONV_IMPL"):
+        config.conv_impl()
+
+
+def test_an_error_in_torchs_conv_inside_a_segment_is_a_python_exception():
+    from cpu_layout import runtime as R
+    from cpu_layout.codegen import program
+
+    p = program.Program()
+    p.n_in = 2
+    x, w, out = p.reg(), p.reg(), p.reg()
+    p.op("ATEN_CONV", out, x, w, -1, [1, 1], [1, 1], [1, 1], 1, p.name("relu"), 0, [], -1, p.name("conv7"))
+    p.op("OUT", 0, out)
+    call = R.SegmentCall("aten", 1)
+    call.bind(p, [])
+    pack = program.runtime().ffi.new("int64_t[]", [0])
+    xs = torch.randn(1, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(4, 8, 3, 3)
+    (y,) = call([xs, wt], pack)
+    torch.testing.assert_close(y, F.relu(F.conv2d(xs, wt, padding=1)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="conv7"):
+        call([xs, torch.randn(4, 5, 3, 3)], pack)  # 8 input channels, a weight for 5
+    (y,) = call([xs, wt], pack)  # and the segment still works afterwards
+    assert y.shape == (1, 4, 6, 6)
