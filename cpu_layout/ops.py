@@ -551,12 +551,12 @@ def aten_conv_attr(post_ops) -> Optional[tuple]:
     return None
 
 
-def aten_conv_candidate(in_size, out_size, post_ops) -> Optional[tuple]:
-    """aten_conv_attr for a 2-D conv torch's oneDNN can run here, else None. Its
-    result follows `suggest_memory_format`, which calls a tensor with a channel
-    or spatial size of 1 contiguous (a linear run as a [1, K, 1, M] conv came
-    back NCHW): those stay on ours, whose output layout is the plan's."""
-    if len(in_size) != 4 or len(out_size) != 4:
+def aten_conv_candidate(dtype, in_size, out_size, post_ops) -> Optional[tuple]:
+    """aten_conv_attr for a float32/bfloat16 2-D conv torch's oneDNN can run here,
+    else None. Its result follows `suggest_memory_format`, which calls a tensor
+    with a channel or spatial size of 1 contiguous (a linear run as a [1, K, 1, M]
+    conv came back NCHW): those stay on ours, whose output layout is the plan's."""
+    if dtype not in (torch.float32, torch.bfloat16) or len(in_size) != 4 or len(out_size) != 4:
         return None
     if not all(type(v) is int and v > 1 for v in (*in_size[1:], *out_size[1:])):
         return None

@@ -155,8 +155,8 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
 
 def choose_conv_impls(g: ir.Graph) -> None:
     """Each conv the plan runs in NHWC runs on torch's bundled oneDNN where that
-    was measured faster (its ConvCost.nhwc_impl) and can run it: a float32/bfloat16
-    conv ops.aten_conv_candidate admits.
+    was measured faster (its ConvCost.nhwc_impl) and can run it
+    (ops.aten_conv_candidate).
     CPU_LAYOUT_CONV_IMPL=onednn|aten overrides the measurement."""
     force = config.conv_impl()
     decided = getattr(getattr(g, "plan", None), "convs", {})
@@ -165,8 +165,7 @@ def choose_conv_impls(g: ir.Graph) -> None:
             continue
         n.impl = "onednn"
         if (force == "onednn" or n.out.layout != L.CHANNELS_LAST
-                or n.x.dtype not in (torch.float32, torch.bfloat16)
-                or ops.aten_conv_candidate(n.x.size, n.out.size, n.post_ops) is None):
+                or ops.aten_conv_candidate(n.x.dtype, n.x.size, n.out.size, n.post_ops) is None):
             continue
         d = decided.get(n.out.name)
         if force == "aten" or (d is not None and d.cost.nhwc_impl == "aten"):

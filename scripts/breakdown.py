@@ -112,11 +112,12 @@ def main(argv=None):
                 for _ in range(args.iters):
                     fn(x)
                 wall = (time.perf_counter() - t0) / args.iters * 1e3
-                if cpp:
-                    program.set_profiling(False)
-                    per = _segment_kinds(program.take_profile(), args.iters)
         finally:
             backend.compile_graph = real
+            if cpp:  # the counters are process-wide: never leave them running
+                program.set_profiling(False)
+        if cpp:
+            per = _segment_kinds(program.take_profile(), args.iters)
         copies = (runtime.COPIES["count"] - c0) / args.iters
         if not cpp:
             per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}

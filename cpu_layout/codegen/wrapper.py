@@ -184,7 +184,8 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
             em.emit(f"{n.out.name} = {fn}({pick}(args))")
         else:  # itemgetter of one index returns the item, not a tuple
             em.emit(f"{n.out.name} = {fn}((" + "".join(f"args[{i}], " for i in idx) + "))")
-    named = [n for n in inputs if any(b is n.out for m in g.nodes if m not in picked for b in m.inputs)]
+    read_by_others = {b for m in g.nodes if m not in picked for b in m.inputs}
+    named = [n for n in inputs if n.out in read_by_others]
     if inputs:
         if named:
             em.emit(", ".join(n.out.name for n in named) + ", = ("

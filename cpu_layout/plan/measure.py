@@ -13,7 +13,7 @@ cache then kept. Post-ops are part of the problem: a GEMM kernel applies them in
 a separate pass, and measured without them efficientnet_b0's convs ran 1.37x
 slower in the graph than the plan predicted. A conv torch's bundled oneDNN can also run
 (`ops.aten_conv_candidate`: at most one unary post-op, no size-1 dims) is timed on it too, in NHWC,
-and runs there when it is at least ASWELL_MARGIN faster (`ConvCost.nhwc_impl`).
+and runs there when it is at least ATEN_MARGIN faster (`ConvCost.nhwc_impl`).
 Results are cached on disk per oneDNN ISA and
 thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv3-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
@@ -39,7 +39,7 @@ from cpu_layout.plan.cost import ConvCost, CostModel, cpu_isa
 _LOCK = threading.Lock()
 # torch's oneDNN must beat ours by this much to be chosen: a measured time on a
 # shared machine moves by a few percent from run to run.
-ASWELL_MARGIN = 0.05
+ATEN_MARGIN = 0.05
 
 
 class MeasuredCostModel(CostModel):
@@ -130,7 +130,7 @@ def measured_cost(got) -> ConvCost:
     if aten is None:
         return ConvCost(nchw, nhwc, text)
     text += f", torch's oneDNN NHWC {aten:.0f} us"
-    if aten < (1.0 - ASWELL_MARGIN) * nhwc:
+    if aten < (1.0 - ATEN_MARGIN) * nhwc:
         return ConvCost(nchw, aten, text + " (NHWC runs on torch's)", nhwc_impl="aten")
     return ConvCost(nchw, nhwc, text)
 
@@ -162,7 +162,7 @@ def _measure_real(conv, rounds):
         post[lay] = [("add", r) if p == "add" else p for p in conv.post_ops]
     runs = {lay: (lambda xi=xi, lay=lay: ops.conv2d(xi, w, b, out_layout=lay, post_ops=post[lay], **args))
             for lay, xi in xs.items()}
-    attr = ops.aten_conv_candidate(conv.in_size, conv.size, conv.post_ops)
+    attr = ops.aten_conv_candidate(conv.dtype, conv.in_size, conv.size, conv.post_ops)
     if attr is not None:
         runs["aten"] = lambda: ops.aten_conv2d(xs["nhwc"], w, b, conv.stride, conv.padding, conv.dilation,
                                                conv.groups, attr)
