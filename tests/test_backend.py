@@ -98,6 +98,31 @@ def test_residual_epilogue_and_batchnorm_are_fused(compiled_graphs):
     assert all(c.post_ops[-1] == "relu" for c in adds)
 
 
+class ConvSiluRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 16, 3, 1, 1)
+        self.dw = nn.Conv2d(16, 16, 3, 1, 1, groups=16)
+        self.b = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        return F.relu(self.b(F.silu(self.dw(F.silu(self.a(x))))))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_silu_runs_in_a_kernel_not_as_a_post_op(compiled_graphs, amp):
+    """oneDNN's swish post-op costs more than the generated kernel's pass
+    (fuse.UNFUSED_ACTIVATIONS); relu still fuses."""
+    model = ConvSiluRelu().eval()
+    x = torch.randn(2, 3, 20, 20)
+    _, y, ref = run_both(model, x, amp=amp)
+    assert_matches(y, ref, amp)
+    g = compiled_graphs[0].cpu_layout_graph
+    assert [list(c.post_ops) for c in g.convs()] == [[], [], ["relu"]], g.dump()
+    silu = [n for n in g.walk() if isinstance(n, ir.Kernel) and "silu" in repr(n.expr)]
+    assert len(silu) == 2, g.dump()
+
+
 class ConvFlattenLinear(nn.Module):
     def __init__(self):
         super().__init__()
