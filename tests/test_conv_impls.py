@@ -159,6 +159,20 @@ def test_the_measured_faster_candidate_is_chosen_beyond_the_margin():
     assert "torch's oneDNN NHWC 70 us" in measure.measured_cost([100.0, 80.0, 70.0]).source
 
 
+def test_torchs_conv_is_timed_for_grouped_convs_only():
+    """Dense convs are not offered to torch's oneDNN (it never won on them)."""
+    from cpu_layout.plan import graph as pg
+
+    def conv(groups):
+        return pg.Conv("c", (), (1, 16, 8, 8), torch.float32, in_size=(1, 16, 8, 8), out_channels=16,
+                       kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=groups,
+                       post_ops=("relu",))
+
+    dense, depthwise = measure._measure(conv(1)), measure._measure(conv(16))
+    assert dense[2] is None and dense[0] > 0 and dense[1] > 0
+    assert depthwise[2] is not None and depthwise[2] > 0
+
+
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_plan_runs_a_conv_where_it_measured_faster(faster, monkeypatch, compiled_graphs, tmp_path):
     from cpu_layout.plan import cost
