@@ -222,17 +222,28 @@ void Run::conv() {
   set(out, std::move(tmp_out));
 }
 
-// KERNEL out kernel nd ni in[ni] cl es fresh
+// KERNEL out kernel nd ni in[ni] cl es fresh inplace(-1)
 void Run::kernel() {
   const int64_t out = A(), ki = A(), nd = A(), ni = A();
   const int64_t* in = P(ni);
-  const int64_t cl = A(), es = A(), fresh = A();
+  const int64_t cl = A(), es = A(), fresh = A(), inplace = A();
   if (nd > 16) fail("kernel instruction: more than 16 dims");
   std::vector<const H*> ins((size_t)ni);
   for (int64_t i = 0; i < ni; ++i) ins[(size_t)i] = &R(in[i]);
   int64_t sz[16] = {0};
   clw::broadcast_sizes(ins.data(), (int)ni, (int)nd, sz);
-  H t = alloc(fresh, (int)nd, sz, cl != 0, (int)es);
+  // The output takes over a dying input's storage when it is dense in the output's order
+  // (the kernel loads every input of an element before storing it); the input then
+  // reads through the output's handle, its own register being emptied.
+  H t;
+  if (inplace >= 0) {
+    const H* dying = &reg(inplace).h;
+    t = clw::take_over(reg(inplace).h, (int)nd, sz, cl != 0);
+    if (t)
+      for (auto& p : ins)
+        if (p == dying) p = &t;
+  }
+  if (!t) t = alloc(fresh, (int)nd, sz, cl != 0, (int)es);
   std::vector<int64_t> st((size_t)std::max<int64_t>((ni + 1) * nd, 1));
   for (int64_t i = 0; i < ni; ++i) clw::broadcast_strides(*ins[(size_t)i], (int)nd, sz, st.data() + i * nd);
   const int64_t* os = clw::strides(t);

@@ -411,6 +411,51 @@ def _conv_in_place(ops):
     return ops[i]
 
 
+class KernelsInPlace(nn.Module):
+    """Element-wise kernels whose input dies there (in place) and one whose input
+    is read again later (not in place)."""
+
+    def __init__(self, ch=16):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Conv2d(ch, ch, 1) for _ in range(4))
+        self.dw = nn.Conv2d(ch, ch, 3, padding=1, groups=ch)
+
+    def forward(self, x):
+        u = self.a(x)
+        v = F.silu(self.dw(u))  # the depthwise output dies at its silu: in place
+        w = F.silu(self.b(v))  # likewise
+        # u is read after its silu: not in place; nor the last kernel, whose output
+        # leaves the segment with storage of its own
+        return self.d(w) * self.c(F.silu(u)) + u
+
+
+def _kernel_in_place(ops):
+    """The input register a KERNEL instruction's output takes over, -1 for none
+    (operands as csrc/segment_vm.cpp's Run::kernel reads them)."""
+    return ops[4 + ops[3] + 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kernel_writes_over_a_dying_input(dtype, compiled_graphs):
+    model = KernelsInPlace().eval().to(dtype)
+    x = torch.randn(2, 16, 10, 10).to(dtype).contiguous(memory_format=torch.channels_last)
+    fn = compile_cpp(model)
+    ref = model(x)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    for _ in range(3):  # later calls run on the pool's storage
+        x_before = x.clone()
+        y = fn(x)
+        assert torch.equal(x, x_before), "the caller's input is never written"
+        torch.testing.assert_close(y, ref, **tol)
+        assert y.stride() == ref.stride()
+    segs = [v for v in compiled_graphs[0].__globals__.values() if isinstance(v, runtime.SegmentCall)]
+    assert len(segs) == 1
+    seg = segs[0]
+    in_place = [_kernel_in_place(ops) for name, ops in seg.program.instructions() if name == "KERNEL"]
+    assert sum(r >= 0 for r in in_place) == 2, ("the two silus after convs", seg.program.listing())
+    assert sum(r < 0 for r in in_place) == 2, ("silu(u) and the output's kernel", seg.program.listing())
+
+
 def test_segments_run_concurrently_from_several_threads(compiled_graphs):
     from concurrent.futures import ThreadPoolExecutor
 

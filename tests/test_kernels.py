@@ -303,6 +303,16 @@ def test_in_place(layout):
     assert torch.equal(x, ref)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_in_place_with_a_size_one_dim(layout):
+    # batch 1: the dim's broadcast input stride (0) differs from the output's own
+    x = LAYOUTS[layout](nchw(1, 8, 9, 11))
+    s, b = nchw(1, 8, 1, 1, seed=1), nchw(1, 8, 1, 1, seed=2)
+    ref = chain_ref(x, s, b)
+    CHAIN4[f32].compile()(x.shape, [x, s, b], [x])
+    assert torch.equal(x, ref)
+
+
 def test_multiple_outputs_different_dtypes_and_layouts():
     x = nchw(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
     y = nchw(1, 8, 1, 5, dtype=bf16, seed=1)

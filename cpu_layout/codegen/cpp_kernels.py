@@ -685,9 +685,11 @@ def _check_aliasing(ins, in_st, outs, out_st, out_sizes):
         for j in shared_in:
             b = ins[j]
             lo2, hi2 = _span(b, out_sizes[i], in_st[j])
+            # A size-1 dim's stride is 0 in the input's broadcast strides, the
+            # tensor's own in the output's: it addresses one element either way.
+            same = all(a == c or n == 1 for a, c, n in zip(in_st[j], out_st[i], out_sizes[i]))
             if lo < hi2 and lo2 < hi and not (
-                    o.data_ptr() == b.data_ptr() and in_st[j] == out_st[i]
-                    and o.element_size() == b.element_size()):
+                    o.data_ptr() == b.data_ptr() and same and o.element_size() == b.element_size()):
                 raise ValueError(f"output {i} overlaps input {j} without being the same "
                                  "elements (in place needs identical strides)")
 

@@ -375,9 +375,27 @@ class SegmentEncoder:
 
     def kernel(self, n: ir.Kernel):
         ins = [self.reg[b] for b in n.inputs]
+        inplace = self.inplace_input(n)
         out = self.out_reg(n)
         self.p.op("KERNEL", out, self.p.kernel(self.kernels[n]), n.out.rank, len(ins), ins,
-                  _cl(n.out.layout), ES[n.out.dtype], self.fresh_flag(n.out))
+                  _cl(n.out.layout), ES[n.out.dtype], self.fresh_flag(n.out),
+                  self.reg[inplace] if inplace is not None else -1)
+
+    def inplace_input(self, n: ir.Kernel) -> Optional[ir.Buffer]:
+        """An input whose storage the kernel's output may take over: the segment
+        allocated it, nothing else refers to it, it dies here, and it has the
+        output's dtype, size and layout (the runtime also checks it is dense in
+        that order). Half the memory a pass touches: efficientnet_b0 at batch 8,
+        2 threads 56.9 -> 52.1 ms fp32, densenet121 251 -> 242 ms (EPYC Zen 4,
+        scripts/bench_ab.py); at batch 1, where it fits in cache, about 1%."""
+        if n.out in self.outs:
+            return None
+        for r in n.inputs:
+            if (r in self.fresh and r not in self.aliased and r not in self.outs
+                    and self.last_use.get(r) is n and r.dtype == n.out.dtype and r.layout == n.out.layout
+                    and L.same_sizes(r.size, n.out.size)):
+                return r
+        return None
 
     def reduction(self, n: ir.Reduction):
         x = self.reg[n.inputs[0]]
