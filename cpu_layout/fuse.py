@@ -1,10 +1,9 @@
 """Fusion: fewer passes over memory.
 
 Conv epilogues (before planning): a conv whose only user is an activation
-(but not one in UNFUSED_ACTIVATIONS) or a same-size residual add takes that op
-as a oneDNN post-op (up to the
-extension's limit); the conv moves to the add's position in the schedule,
-where its residual already exists.
+(but not one in UNFUSED_ACTIVATIONS) or a same-size residual add takes that
+op as a oneDNN post-op (up to the extension's limit); the conv moves to the
+add's position in the schedule, where its residual already exists.
 
 Element-wise chains (after planning, so each group's output layout is
 known): a pointwise node whose only user is a pointwise node of the same

@@ -11,14 +11,15 @@ another process held the second core came out 4-10x high (resnet50's stem at
 batch 8, 2 threads: ours NHWC 42.7 ms "measured", 10 ms in fact), a choice the
 cache then kept. Post-ops are part of the problem: a GEMM kernel applies them in
 a separate pass, and measured without them efficientnet_b0's convs ran 1.37x
-slower in the graph than the plan predicted. A grouped or depthwise conv torch's bundled oneDNN can also run
-(`ops.aten_conv_candidate`: at most one unary post-op, no size-1 dims) is timed on it too, in NHWC,
-and runs there when it is at least ATEN_MARGIN faster (`ConvCost.nhwc_impl`). Dense convs are
-not: of 706 dense shapes timed on both (torchvision's models, batch 1 and 8, fp32 and bf16,
-EPYC Zen 4) torch's won one, by 6%, against 19 of 192 depthwise ones, and timing it was about
-a third of the measuring a cold compile of resnet50 or densenet121 spent.
-Results are cached on disk per oneDNN ISA and
-thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv4-<isa>-<threads>t.json`,
+slower in the graph than the plan predicted. A grouped or depthwise conv
+torch's bundled oneDNN can also run (`ops.aten_conv_candidate`: at most one
+unary post-op, no size-1 dims) is timed on it too, in NHWC, and runs there
+when it is at least ATEN_MARGIN faster (`ConvCost.nhwc_impl`). Dense convs
+are not: of 706 dense shapes timed on both (torchvision's models, batch 1
+and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
+depthwise ones, and timing it was about a third of the measuring a cold
+compile of resnet50 or densenet121 spent. Results are cached on disk per
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv4-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
