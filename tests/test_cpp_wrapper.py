@@ -383,20 +383,28 @@ class Residuals(nn.Module):
         return z * y.sigmoid()  # y is read after the conv that adds it: not in place
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_conv_adds_a_dying_residual_in_place(dtype, compiled_graphs):
-    model = Residuals().eval().to(dtype)
+def _run_on_pooled_storage(model, dtype, compiled_graphs):
+    """Three calls (the later ones on the pool's storage) against eager, the
+    caller's input never written; returns the graph's one segment."""
+    model = model.eval().to(dtype)
     x = torch.randn(2, 16, 10, 10).to(dtype).contiguous(memory_format=torch.channels_last)
     fn = compile_cpp(model)
     ref = model(x)
-    for _ in range(3):  # later calls run on the pool's storage
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    for _ in range(3):
         x_before = x.clone()
         y = fn(x)
         assert torch.equal(x, x_before), "the caller's input is never written"
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
         torch.testing.assert_close(y, ref, **tol)
         assert y.stride() == ref.stride()
-    seg = next(v for v in compiled_graphs[0].__globals__.values() if isinstance(v, runtime.SegmentCall))
+    segs = [v for v in compiled_graphs[0].__globals__.values() if isinstance(v, runtime.SegmentCall)]
+    assert len(segs) == 1
+    return segs[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_conv_adds_a_dying_residual_in_place(dtype, compiled_graphs):
+    seg = _run_on_pooled_storage(Residuals(), dtype, compiled_graphs)
     in_place = [_conv_in_place(ops) for name, ops in seg.program.instructions() if name == "CONV"]
     assert sum(r >= 0 for r in in_place) == 1, ("only the residual that dies at its conv", in_place)
 
@@ -437,20 +445,7 @@ def _kernel_in_place(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_kernel_writes_over_a_dying_input(dtype, compiled_graphs):
-    model = KernelsInPlace().eval().to(dtype)
-    x = torch.randn(2, 16, 10, 10).to(dtype).contiguous(memory_format=torch.channels_last)
-    fn = compile_cpp(model)
-    ref = model(x)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    for _ in range(3):  # later calls run on the pool's storage
-        x_before = x.clone()
-        y = fn(x)
-        assert torch.equal(x, x_before), "the caller's input is never written"
-        torch.testing.assert_close(y, ref, **tol)
-        assert y.stride() == ref.stride()
-    segs = [v for v in compiled_graphs[0].__globals__.values() if isinstance(v, runtime.SegmentCall)]
-    assert len(segs) == 1
-    seg = segs[0]
+    seg = _run_on_pooled_storage(KernelsInPlace(), dtype, compiled_graphs)
     in_place = [_kernel_in_place(ops) for name, ops in seg.program.instructions() if name == "KERNEL"]
     assert sum(r >= 0 for r in in_place) == 2, ("the two silus after convs", seg.program.listing())
     assert sum(r < 0 for r in in_place) == 2, ("silu(u) and the output's kernel", seg.program.listing())
