@@ -53,9 +53,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     t0 = time.perf_counter()
     params = _static_input_indices(len(example_inputs))
     g = lower.lower(gm, params)
-    fuse.fuse_conv_epilogues(g)
     debug = bool(options.get("debug", config.debug()))
     cpp = _wants_cpp_wrapper(options)
+    fuse.fuse_conv_epilogues(g, fuse.UNFUSED_ACTIVATIONS if cpp else ())
     if cpp:
         from cpu_layout.codegen import cpp_wrapper, program
 

@@ -1,8 +1,8 @@
 """Fusion: fewer passes over memory.
 
 Conv epilogues (before planning): a conv whose only user is an activation
-(but not one in UNFUSED_ACTIVATIONS) or a same-size residual add takes that
-op as a oneDNN post-op (up to the extension's limit); the conv moves to the
+(in C++ segments not one in UNFUSED_ACTIVATIONS) or a same-size residual add
+takes that op as a oneDNN post-op (up to the extension's limit); the conv moves to the
 add's position in the schedule, where its residual already exists.
 
 Element-wise chains (after planning, so each group's output layout is
@@ -19,24 +19,28 @@ from cpu_layout.codegen import expr as E
 MAX_POST_OPS = 8
 
 
-# Activations a conv does not take as a post-op although oneDNN could: its
-# swish post-op costs more than the generated kernel's separate pass over the
-# conv's output. efficientnet_b0 with every silu fused vs every silu in a kernel,
+# Activations a conv in a C++ segment does not take as a post-op although
+# oneDNN could: its swish post-op costs more than the generated kernel's pass
+# over the conv's output, which in a segment writes in place or into pooled
+# storage. efficientnet_b0 with every silu fused vs every silu in a kernel,
 # interleaved in one process (EPYC Zen 4): batch 1, 1 thread 15.38 vs 14.82 ms
 # (fp32), 11.67 vs 11.28 ms (AMP); batch 8, 2 threads 68.6 vs 63.6 ms (fp32),
-# 41.5 vs 41.1 ms (AMP). Conv by conv in isolation the two came out even on most
-# shapes and the split cheaper on depthwise ones (144x56x56, 1 thread: 129 us
-# bare, 373 us with swish, the pass 173 us), so a per-shape timing would not
-# see the in-graph gain.
+# 41.5 vs 41.1 ms (AMP), before kernels ran in place. Conv by conv in isolation
+# the two came out even on most shapes and the split cheaper on depthwise ones
+# (144x56x56, 1 thread: 129 us bare, 373 us with swish, the pass 173 us), so a
+# per-shape timing would not see the in-graph gain. The Python wrapper allocates
+# every kernel output, and there the split lost at batch 8 (74.8 fused vs
+# 85.6 ms; even at batch 1): it keeps them fused.
 UNFUSED_ACTIVATIONS = ("silu",)
 
 
-def _activation(node: ir.Pointwise):
-    """The cpu_layout.ops post-op for an activation node, or None."""
+def _activation(node: ir.Pointwise, unfused=()):
+    """The cpu_layout.ops post-op for an activation node, or None (also for the
+    activations in `unfused`)."""
     op, p = node.op, node.params
-    if op in UNFUSED_ACTIVATIONS:
+    if op in unfused:
         return None
-    if op in ("relu", "hardswish", "sigmoid", "tanh"):
+    if op in ("relu", "silu", "hardswish", "sigmoid", "tanh"):
         return op
     if op == "gelu":
         return "gelu_tanh" if p and p[0] == "tanh" else "gelu"
@@ -61,7 +65,7 @@ def _residual(node: ir.Pointwise, conv_out: ir.Buffer):
     return other
 
 
-def _activation_through_views(g: ir.Graph, conv: ir.Conv) -> bool:
+def _activation_through_views(g: ir.Graph, conv: ir.Conv, unfused=()) -> bool:
     """conv -> views -> activation (a linear run as a 1x1 conv, then reshaped
     before its GELU): the activation becomes a post-op and the views carry the
     activated values; an element-wise op commutes with any view."""
@@ -72,7 +76,7 @@ def _activation_through_views(g: ir.Graph, conv: ir.Conv) -> bool:
     if not chain or len(b.users) != 1 or not isinstance(b.users[0], ir.Pointwise):
         return False
     user = b.users[0]
-    act = _activation(user) if len(user.inputs) == 1 else None
+    act = _activation(user, unfused) if len(user.inputs) == 1 else None
     if act is None or user.out.dtype != b.dtype or not L.same_sizes(user.out.size, b.size):
         return False
     conv.post_ops.append(act)
@@ -82,11 +86,12 @@ def _activation_through_views(g: ir.Graph, conv: ir.Conv) -> bool:
     return True
 
 
-def fuse_conv_epilogues(g: ir.Graph) -> int:
-    """Returns how many nodes were folded into convolutions."""
+def fuse_conv_epilogues(g: ir.Graph, unfused=()) -> int:
+    """Returns how many nodes were folded into convolutions; activations in
+    `unfused` (UNFUSED_ACTIVATIONS for C++ segments) are left to kernels."""
     fused = 0
     for conv in g.convs():
-        while len(conv.post_ops) < MAX_POST_OPS and _activation_through_views(g, conv):
+        while len(conv.post_ops) < MAX_POST_OPS and _activation_through_views(g, conv, unfused):
             fused += 1
         while len(conv.post_ops) < MAX_POST_OPS:
             out = conv.out
@@ -95,7 +100,7 @@ def fuse_conv_epilogues(g: ir.Graph) -> int:
             user = out.users[0]
             if user.out.dtype != out.dtype or not L.same_sizes(user.out.size, out.size):
                 break
-            act = _activation(user) if len(user.inputs) == 1 else None
+            act = _activation(user, unfused) if len(user.inputs) == 1 else None
             residual = None if act is not None else _residual(user, out)
             if act is None and residual is None:
                 break

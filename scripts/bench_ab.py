@@ -11,7 +11,7 @@ timing (PyTorch's benchmark accuracy check, as bench_models.py; strides). Prints
 the median and fastest round of each, in ms per forward.
 
     python scripts/bench_ab.py --model mobilenet_v3_large [--suite torchvision] [--batch 8]
-                               [--threads 2] [--dtype float32|amp] [--rounds 12]
+                               [--threads 2] [--dtype float32|amp] [--rounds 12] [--wrapper cpp|python]
                                "auto:" "onednn:CPU_LAYOUT_CONV_IMPL=onednn"
 
 Use it for a decision that isolated timings cannot settle (a conv's
@@ -45,12 +45,12 @@ def parse_variant(spec: str):
     return label, env
 
 
-def backend_with(env: dict):
+def backend_with(env: dict, cpp: bool = True):
     def backend(gm, example_inputs):
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            return cpu_layout_backend(gm, example_inputs, options={"cpp_wrapper": True})
+            return cpu_layout_backend(gm, example_inputs, options={"cpp_wrapper": cpp})
         finally:
             for k, v in old.items():
                 if v is None:
@@ -76,6 +76,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=("float32", "amp"))
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--wrapper", default="cpp", choices=("cpp", "python"))
     ap.add_argument("variants", nargs="+")
     args = ap.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]
@@ -93,7 +94,7 @@ def main(argv=None):
     with torch.no_grad(), amp:
         ref = model(x)
         for label, env in variants:
-            fn = torch.compile(copy.deepcopy(model), backend=backend_with(env))
+            fn = torch.compile(copy.deepcopy(model), backend=backend_with(env, args.wrapper == "cpp"))
             check(fn(x), ref, fp64_ref, args.dtype, label)
             fns[label] = fn
         first = next(iter(fns.values()))
@@ -105,7 +106,7 @@ def main(argv=None):
                 for _ in range(calls):
                     fn(x)
                 times[label].append((time.perf_counter() - t0) / calls * 1e3)
-    print(f"{args.model} {args.dtype} batch {args.batch}, {args.threads} thread(s), {args.rounds} "
+    print(f"{args.model} {args.dtype} batch {args.batch}, {args.threads} thread(s), {args.wrapper} wrapper, {args.rounds} "
           f"interleaved rounds of {calls} calls: ms per forward, median (fastest round)")
     base = statistics.median(times[variants[0][0]])
     for label, ts in times.items():
