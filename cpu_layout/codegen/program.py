@@ -360,17 +360,24 @@ class SegmentEncoder:
                   self.p.name(unary), len(scalars), [self.p.real(v) for v in scalars],
                   self.p.name(alg) if alg is not None else -1, self.p.name(n.name))
 
+    def may_take_over(self, n: ir.Node, r: ir.Buffer) -> bool:
+        """Whether n's output may take over the storage of its input r: the segment
+        allocated r, nothing else refers to it (no view, not a result), it dies at
+        n, it has the output's dtype, and the output stays in the segment (a
+        result gets storage of its own)."""
+        return (r in self.fresh and r not in self.aliased and r not in self.outs and n.out not in self.outs
+                and self.last_use.get(r) is n and r.dtype == n.out.dtype)
+
     def inplace_residual(self, n: ir.Conv, residuals: List[ir.Buffer]) -> Optional[ir.Buffer]:
-        """The first residual when the conv's output may take over its storage: the
-        segment allocated it, nothing else refers to it, and it dies at this conv."""
+        """The first residual when the conv's output may take over its storage
+        (read as it is, no copy planned, and not the conv's input too)."""
         from cpu_layout.codegen.wrapper import read_conversion
 
         if not residuals:
             return None
         r = residuals[0]
-        ok = (r in self.fresh and r not in self.aliased and r not in self.outs and n.out not in self.outs
-              and self.last_use.get(r) is n and r is not n.x and residuals.count(r) == 1
-              and r.dtype == n.out.dtype and read_conversion(n, r) in (None, r.layout))  # no copy planned
+        ok = (self.may_take_over(n, r) and r is not n.x and residuals.count(r) == 1
+              and read_conversion(n, r) in (None, r.layout))  # no copy planned
         return r if ok else None
 
     def kernel(self, n: ir.Kernel):
@@ -382,18 +389,13 @@ class SegmentEncoder:
                   self.reg[inplace] if inplace is not None else -1)
 
     def inplace_input(self, n: ir.Kernel) -> Optional[ir.Buffer]:
-        """An input whose storage the kernel's output may take over: the segment
-        allocated it, nothing else refers to it, it dies here, and it has the
-        output's dtype, size and layout (the runtime also checks it is dense in
+        """An input whose storage the kernel's output may take over (may_take_over)
+        with the output's size and layout (the runtime also checks it is dense in
         that order). Half the memory a pass touches: efficientnet_b0 at batch 8,
         2 threads 56.9 -> 52.1 ms fp32, densenet121 251 -> 242 ms (EPYC Zen 4,
         scripts/bench_ab.py); at batch 1, where it fits in cache, about 1%."""
-        if n.out in self.outs:
-            return None
         for r in n.inputs:
-            if (r in self.fresh and r not in self.aliased and r not in self.outs
-                    and self.last_use.get(r) is n and r.dtype == n.out.dtype and r.layout == n.out.layout
-                    and L.same_sizes(r.size, n.out.size)):
+            if self.may_take_over(n, r) and r.layout == n.out.layout and L.same_sizes(r.size, n.out.size):
                 return r
         return None
 
