@@ -50,6 +50,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     from cpu_layout.codegen import wrapper
 
     threads.check_wait_policy()
+    threads.pin_workers()
     t0 = time.perf_counter()
     params = _static_input_indices(len(example_inputs))
     g = lower.lower(gm, params)

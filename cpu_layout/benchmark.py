@@ -411,16 +411,23 @@ def median_latency(fn: Callable, x, warmup: int = 3, iters: int = 20, min_time: 
 
 
 def interleaved_medians(fns: Dict[str, Tuple[Callable, Any]], rounds: int = 5, iters: int = 10,
-                        warmup: int = 2) -> Dict[str, float]:
+                        warmup: int = 2, before: Optional[Dict[str, Callable[[], Any]]] = None
+                        ) -> Dict[str, float]:
     """Median seconds per call for several functions timed in alternating rounds
     (fn A x iters, fn B x iters, ..., repeated `rounds` times), so drift on a shared
-    machine hits all of them alike. fns: label -> (fn, input)."""
-    for fn, x in fns.values():
+    machine hits all of them alike. fns: label -> (fn, input); before: label -> a
+    call made before each of that label's rounds (process state a variant needs)."""
+    before = before or {}
+    for k, (fn, x) in fns.items():
+        if k in before:
+            before[k]()
         for _ in range(warmup):
             fn(x)
     samples: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, (fn, x) in fns.items():
+            if k in before:
+                before[k]()
             for _ in range(iters):
                 t0 = time.perf_counter()
                 fn(x)

@@ -49,6 +49,12 @@ def conv_impl() -> str:
     return v
 
 
+def pin_threads() -> bool:
+    """CPU_LAYOUT_PIN_THREADS=0: leave OpenMP's worker threads where the OS puts
+    them (default: pinned one per CPU, the calling thread free; threads.pin_workers)."""
+    return os.environ.get("CPU_LAYOUT_PIN_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def cpp_wrapper_default() -> bool:
     return _flag("CPU_LAYOUT_CPP_WRAPPER")
 

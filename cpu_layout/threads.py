@@ -1,4 +1,4 @@
-"""OpenMP threads on a shared machine: the wait policy and a warning when it hurts.
+"""OpenMP threads on a shared machine: the wait policy, a warning when it hurts, pinned workers.
 
 Generated kernels, oneDNN and ATen all run on torch's GNU OpenMP runtime
 (libgomp). By default its idle threads spin 300k iterations at each barrier
@@ -19,6 +19,10 @@ from inside a process that has imported torch. The project's entry points
 (scripts/omp_env.sh, sourced by env.sh and single_run.sh) set
 GOMP_SPINCOUNT=1000 unless the user set a policy; the backend warns once per
 process when it finds long spinning on more threads than there are idle cores.
+
+Where the threads run matters as much: pin_workers() pins the OpenMP workers
+to one CPU each (the calling thread left free), which took the loaded slowdown
+from ~2x to ~1.1x with no idle cost (docs/DESIGN.md, "Threads").
 """
 from __future__ import annotations
 
@@ -110,3 +114,41 @@ def check_wait_policy() -> Optional[str]:
            f"or use fewer threads (torch.set_num_threads).")
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return msg
+
+
+
+_pinned = {}  # calling thread's id -> team size pinned
+
+
+def pin_workers() -> int:
+    """Pins the workers of the calling thread's OpenMP team (torch.get_num_threads()
+    wide) to one CPU each of the process's affinity set, the calling thread left
+    free; ATen's parallel ops in this thread run on the same workers. On a shared
+    machine unpinned workers lose most of their time to barriers (csrc/threads.cpp
+    has the numbers); idle, pinning changes nothing measurable. Once per calling
+    thread and team size; CPU_LAYOUT_PIN_THREADS=0 turns it off. Returns the
+    number of workers this call pinned."""
+    import threading
+
+    from cpu_layout import config
+
+    threads = torch.get_num_threads()
+    key = threading.get_ident()
+    if not config.pin_threads() or threads <= 1 or _pinned.get(key) == threads:
+        return 0
+    from cpu_layout import _native
+
+    n = _native.lib.cl_pin_omp_workers(threads, 1)
+    _pinned[key] = threads
+    return max(n, 0)
+
+
+def unpin_workers() -> int:
+    """Gives the calling thread's OpenMP workers the process's whole affinity set
+    back; returns how many it released."""
+    import threading
+
+    from cpu_layout import _native
+
+    _pinned.pop(threading.get_ident(), None)
+    return max(_native.lib.cl_pin_omp_workers(torch.get_num_threads(), 0), 0)

@@ -108,6 +108,14 @@ int cl_channel_shuffle(uintptr_t src, uintptr_t dst, int ndims, const int64_t *d
                        const int64_t *src_strides, const int64_t *dst_strides, int64_t src_channels,
                        int64_t groups, int64_t start, int elsize);
 
+/* Pins the worker threads of a `threads`-wide OpenMP team (thread numbers
+ * 1..threads-1) to one CPU each of the caller's affinity set, other than the
+ * CPU the caller runs on; the caller stays unpinned. Returns the number
+ * pinned: 0 when threads <= 1 or there are fewer CPUs than threads, -1 when
+ * the affinity set cannot be read. pin = 0 gives the workers the caller's
+ * whole set back (returns the number unpinned). */
+int cl_pin_omp_workers(int threads, int pin);
+
 /* Runtime facts. */
 int cl_dnnl_version(int *major, int *minor, int *patch);
 int cl_cpu_isa(char *out, int outlen);

@@ -179,8 +179,13 @@ def run_config(name, dtype, shape, variants, args):
     rounds, per = args.rounds, max(1, args.iters // args.rounds)
     stance = (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if args.skip_guards
               else contextlib.nullcontext())
+    # Our backend pins the OpenMP workers of the thread that compiles (threads.pin_workers);
+    # eager and Inductor share those workers, so they run unpinned, as in a process of their own.
+    from cpu_layout import threads
+
+    before = {k: threads.pin_workers if k in OURS else threads.unpin_workers for k in fns}
     with stance:
-        lat = B.interleaved_medians(fns, rounds=rounds, iters=per, warmup=args.warmup)
+        lat = B.interleaved_medians(fns, rounds=rounds, iters=per, warmup=args.warmup, before=before)
     for label, (c, _) in fns.items():
         try:
             c.check_own_code(args.warmup + rounds * per)
