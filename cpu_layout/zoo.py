@@ -6,7 +6,7 @@ folding is exercised.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -121,6 +121,21 @@ def default_input_shape(suite: str, name: str, model: torch.nn.Module) -> Tuple[
         big = name.startswith(("mvit", "s3d", "swin3d"))
         return (3, 16, 224, 224) if big else (3, 8, 112, 112)
     return (3, 224, 224)
+
+
+def model_and_input(suite: str, name: str, batch: int, size: Optional[int] = None):
+    """(model in eval mode, example input at `batch`) for a model of `suite`
+    (builtin, torchvision or timm) at its default input shape; `size` replaces
+    the spatial sizes. The one place the benchmark scripts get a model from."""
+    if suite == "builtin":
+        from cpu_layout import models
+
+        return models.build(name, batch_size=batch)
+    model = build(suite, name)
+    shape = default_input_shape(suite, name, model)
+    if size:
+        shape = tuple(shape[:-2]) + (size, size)
+    return model, example_input((batch,) + tuple(shape))
 
 
 def compare_with_eager(model: torch.nn.Module, shape: Tuple[int, ...], dtype: str = "float32",

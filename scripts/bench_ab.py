@@ -28,7 +28,7 @@ import time
 import torch
 
 from cpu_layout import benchmark as B
-from cpu_layout import models, zoo
+from cpu_layout import zoo
 from cpu_layout.backend import cpu_layout_backend
 
 
@@ -83,11 +83,7 @@ def main(argv=None):
     if len({label for label, _ in variants}) != len(variants):
         raise SystemExit("bench_ab: variant labels must differ")
     torch.set_num_threads(args.threads)
-    if args.suite == "builtin":
-        model, x = models.build(args.model, batch_size=args.batch)
-    else:
-        model = zoo.build(args.suite, args.model).eval()
-        x = zoo.example_input((args.batch,) + tuple(zoo.default_input_shape(args.suite, args.model, model)))
+    model, x = zoo.model_and_input(args.suite, args.model, args.batch)
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "amp")
     fns = {}
     fp64_ref = B.fp64_reference(model, x)

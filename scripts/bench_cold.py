@@ -47,8 +47,7 @@ def _child(spec: dict) -> dict:
         return {"seconds": time.perf_counter() - t0}
     from cpu_layout import zoo
 
-    model = zoo.build(spec["suite"], spec["model"]).eval()
-    x = zoo.example_input((1, 3, 224, 224))
+    model, x = zoo.model_and_input(spec["suite"], spec["model"], 1)
     if spec["what"] == "ov":
         from cpu_layout.benchmark import OpenVINOCompiled
 

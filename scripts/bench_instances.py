@@ -39,8 +39,7 @@ def worker(args) -> None:
     from cpu_layout import zoo
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    model = zoo.build(args.suite, args.model)
-    x = zoo.example_input((args.batch, 3, args.size, args.size))
+    model, x = zoo.model_and_input(args.suite, args.model, args.batch, args.size)
     if args.backend == "cplcpp":
         fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": True})
     elif args.backend == "cpl":

@@ -1,7 +1,7 @@
 """Where a compiled forward spends its time, from the runtime's own counters.
 
     python scripts/breakdown.py [--suite torchvision|timm|builtin] --models a,b [--batch 1]
-                                [--size 224] [--threads 1] [--dtype float32|amp] [--iters 20]
+                                [--size N] [--threads 1] [--dtype float32|amp] [--iters 20]
                                 [--wrapper python|cpp]
 
 Python wrapper (default): compiles under CPU_LAYOUT_PROFILE=1, which times
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from cpu_layout import models, runtime, zoo
+from cpu_layout import runtime, zoo
 
 
 # The segment runtime's opcodes, in the kinds the Python wrapper's profile uses.
@@ -58,12 +58,6 @@ def _segment_kinds(profile: dict, iters: int) -> dict:
     return per
 
 
-def build(suite, name, batch, size):
-    if suite == "builtin":
-        m, x = models.build(name)
-        return m, x
-    m = zoo.build(suite, name)
-    return m, zoo.example_input((batch, 3, size, size))
 
 
 def main(argv=None):
@@ -71,7 +65,7 @@ def main(argv=None):
     ap.add_argument("--suite", default="torchvision", choices=("builtin", "torchvision", "timm"))
     ap.add_argument("--models", required=True, help="comma-separated names in the suite")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--size", type=int, default=None, help="spatial size [the model's default]")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=("float32", "amp"))
     ap.add_argument("--iters", type=int, default=20)
@@ -90,7 +84,7 @@ def main(argv=None):
         os.environ["CPU_LAYOUT_PROFILE"] = "1"
 
     for name in args.models.split(","):
-        model, x = build(args.suite, name, args.batch, args.size)
+        model, x = zoo.model_and_input(args.suite, name, args.batch, args.size)
         graphs = []
         real = backend.compile_graph
 

@@ -375,11 +375,7 @@ def load_suite_models(suite: str, model: str):
         names = zoo.import_timm().list_models() if model == "all" else [model]
     pkg = "torchvision" if suite == "torchvision" else "timm"
 
-    def build(bs, n):
-        m = zoo.build(pkg, n)
-        return m, zoo.example_input((bs or 8,) + zoo.default_input_shape(pkg, n, m))
-
-    return [(n, (lambda bs, n=n: build(bs, n))) for n in names]
+    return [(n, (lambda bs, n=n: zoo.model_and_input(pkg, n, bs or 8))) for n in names]
 
 
 def instance_index(all_cores, n: int) -> int:
