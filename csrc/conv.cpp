@@ -739,7 +739,6 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
             if (!residuals[r]) throw std::invalid_argument("residual add without a tensor");
     }
     memory wei = weight_cache().get(weight_id, weight_version, weight, e);
-    dnnl::engine &eng = cpu_engine();
     dnnl::stream &s = thread_stream();
 
     // Temporaries, only when converting: [src][dst][residual...][bias f32]
