@@ -22,12 +22,13 @@ process when it finds long spinning on more threads than there are idle cores.
 
 Where the threads run matters as much: pin_workers() pins the OpenMP workers
 to one CPU each (the calling thread left free), which took the loaded slowdown
-from ~2x to ~1.1x with no idle cost (docs/DESIGN.md, "Threads").
+from ~2x to 1.1-1.4x with no idle cost (docs/DESIGN.md, "Threads").
 """
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import warnings
 from typing import Optional, Tuple
@@ -116,7 +117,6 @@ def check_wait_policy() -> Optional[str]:
     return msg
 
 
-
 _pinned = {}  # calling thread's id -> team size pinned
 
 
@@ -128,8 +128,6 @@ def pin_workers() -> int:
     has the numbers); idle, pinning changes nothing measurable. Once per calling
     thread and team size; CPU_LAYOUT_PIN_THREADS=0 turns it off. Returns the
     number of workers this call pinned."""
-    import threading
-
     from cpu_layout import config
 
     threads = torch.get_num_threads()
@@ -146,8 +144,6 @@ def pin_workers() -> int:
 def unpin_workers() -> int:
     """Gives the calling thread's OpenMP workers the process's whole affinity set
     back; returns how many it released."""
-    import threading
-
     from cpu_layout import _native
 
     _pinned.pop(threading.get_ident(), None)
