@@ -23,29 +23,27 @@ extern "C" int cl_pin_omp_workers(int threads, int pin) {
     if (threads <= 1) return 0;
     cpu_set_t allowed;
     if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return -1;
-    if (!pin) {  // back to the caller's whole set
-        std::atomic<int> freed{0};
-#pragma omp parallel num_threads(threads)
-        if (omp_get_thread_num() > 0 && pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed) == 0)
-            freed++;
-        return freed.load();
-    }
-    // Workers take the allowed CPUs other than the one the caller runs on, in order.
-    const int here = sched_getcpu();
+    // Pinned, workers take the allowed CPUs other than the one the caller runs on, in
+    // order; unpinned, each gets the caller's whole set back.
     std::vector<int> cpus;
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &allowed) && c != here) cpus.push_back(c);
-    if (static_cast<int>(cpus.size()) < threads - 1) return 0;  // more threads than CPUs: the OS places them
-    std::atomic<int> pinned{0};
+    if (pin) {
+        const int here = sched_getcpu();
+        for (int c = 0; c < CPU_SETSIZE; ++c)
+            if (CPU_ISSET(c, &allowed) && c != here) cpus.push_back(c);
+        if (static_cast<int>(cpus.size()) < threads - 1) return 0;  // more threads than CPUs: the OS places them
+    }
+    std::atomic<int> done{0};
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num();
         if (t > 0) {
-            cpu_set_t one;
-            CPU_ZERO(&one);
-            CPU_SET(cpus[t - 1], &one);
-            if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0) pinned++;
+            cpu_set_t set = allowed;
+            if (pin) {
+                CPU_ZERO(&set);
+                CPU_SET(cpus[t - 1], &set);
+            }
+            if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) done++;
         }
     }
-    return pinned.load();
+    return done.load();
 }

@@ -1,4 +1,6 @@
-"""The OpenMP wait policy check (cpu_layout.threads)."""
+"""The OpenMP wait policy check and worker pinning (cpu_layout.threads)."""
+import json
+import os
 import subprocess
 import sys
 import warnings
@@ -119,9 +121,6 @@ def _cpu_list(text):
 
 
 def _probe(mode, **env):
-    import json
-    import os
-
     e = dict(os.environ, OMP_NUM_THREADS="2", **env)
     out = subprocess.run([sys.executable, "-c", _AFFINITY_PROBE, mode], env=e, capture_output=True,
                          text=True, timeout=300)
@@ -132,7 +131,7 @@ def _probe(mode, **env):
 
 
 needs_two_cpus = pytest.mark.skipif(
-    not hasattr(__import__("os"), "sched_getaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="pinning needs two CPUs in the affinity set")
 
 
