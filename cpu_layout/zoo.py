@@ -109,18 +109,21 @@ def build(suite: str, name: str) -> torch.nn.Module:
     return randomize_batch_norm(model, 0)
 
 
-def default_input_shape(suite: str, name: str, model: torch.nn.Module) -> Tuple[int, ...]:
+def default_input_shape(suite: str, name: str, model: torch.nn.Module,
+                        size: Optional[int] = None) -> Tuple[int, ...]:
     """A model's usual input size without the batch dim: timm's own config; for
     torchvision 224 px (inception 299), video clips of 8 frames at 112 px (16 at
-    224 px for MViT, S3D and Swin3D)."""
+    224 px for MViT, S3D and Swin3D). `size` replaces the two spatial sizes."""
     if suite == "timm":
-        return tuple(model.default_cfg.get("input_size", (3, 224, 224)))
-    if name == "inception_v3":
-        return (3, 299, 299)
-    if type(model).__module__.startswith("torchvision.models.video."):
+        shape = tuple(model.default_cfg.get("input_size", (3, 224, 224)))
+    elif name == "inception_v3":
+        shape = (3, 299, 299)
+    elif type(model).__module__.startswith("torchvision.models.video."):
         big = name.startswith(("mvit", "s3d", "swin3d"))
-        return (3, 16, 224, 224) if big else (3, 8, 112, 112)
-    return (3, 224, 224)
+        shape = (3, 16, 224, 224) if big else (3, 8, 112, 112)
+    else:
+        shape = (3, 224, 224)
+    return shape[:-2] + (size, size) if size else shape
 
 
 def model_and_input(suite: str, name: str, batch: int, size: Optional[int] = None):
@@ -132,10 +135,7 @@ def model_and_input(suite: str, name: str, batch: int, size: Optional[int] = Non
 
         return models.build(name, batch_size=batch)
     model = build(suite, name)
-    shape = default_input_shape(suite, name, model)
-    if size:
-        shape = tuple(shape[:-2]) + (size, size)
-    return model, example_input((batch,) + tuple(shape))
+    return model, example_input((batch,) + default_input_shape(suite, name, model, size))
 
 
 def compare_with_eager(model: torch.nn.Module, shape: Tuple[int, ...], dtype: str = "float32",

@@ -120,10 +120,8 @@ def build(args, name):
         return (models.build(name)[0], lambda bs: models.build(name, batch_size=bs)[1],
                 args.batch or models.MODELS[name][1][0])
     model = zoo.build(args.suite, name)
-    shape = zoo.default_input_shape(args.suite, name, model)
-    if args.size:
-        shape = tuple(shape[:-2]) + (args.size, args.size)
-    return model, lambda bs: zoo.example_input((bs,) + tuple(shape)), args.batch or 1
+    shape = zoo.default_input_shape(args.suite, name, model, args.size)
+    return model, lambda bs: zoo.example_input((bs,) + shape), args.batch or 1
 
 
 def run_config(name, dtype, shape, variants, args):
