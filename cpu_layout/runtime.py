@@ -4,8 +4,8 @@ mode), and in cpp_wrapper mode the constant prologue and the calls into C++
 segments.
 
 Parameters arrive as graph inputs on every call, so a folded weight is
-recomputed exactly when one of its sources changed (version counter or
-storage): module state is constant only while it is unchanged.
+recomputed exactly when one of its sources changed (state_key.StateKey):
+module state is constant only while it is unchanged.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from cpu_layout import layout as L
 from cpu_layout import ops
+from cpu_layout.state_key import StateKey
 
 
 def _planned_cl(order: str, rank: int) -> bool:
@@ -101,55 +102,6 @@ def check_layout(x, order: str, name: str) -> None:
             f"cpu_layout: buffer {name} was planned {order} but has size {tuple(x.shape)} "
             f"stride {x.stride()}"
         )
-
-
-def _key(t: Optional[torch.Tensor]):
-    return None if t is None else (t.data_ptr(), ops.content_version(t), t.dtype)
-
-
-class StateKey:
-    """Whether the module-state tensors of a call are what they were when last
-    remembered: same storage address and content version, and the same epoch
-    (ops.refresh). Checked on every forward against hundreds of parameters, so
-    it runs in C loops (map over attribute getters, list equality) and builds
-    no tuple per parameter: those kept Python's garbage collector busy (5% of
-    mobilenet_v3's forward). Dtypes are not compared: Dynamo guards every
-    tensor input's dtype, so a compiled graph only ever sees the dtypes it was
-    compiled for. Arguments that are not tensors are not compared (they are
-    constants of the graph)."""
-
-    __slots__ = ("epoch", "mask", "ptrs", "versions")
-
-    def __init__(self):
-        self.epoch = None
-        self.mask = None
-
-    def _tensors(self, values):
-        return values if self.mask is None else [v for v, m in zip(values, self.mask) if m]
-
-    def same(self, values) -> bool:
-        if self.epoch is None or self.epoch != ops.state_epoch():
-            return False
-        ts = self._tensors(values)
-        if len(ts) != len(self.ptrs):
-            return False
-        try:
-            versions = list(map(_VERSION, ts))
-        except RuntimeError:  # an inference tensor: no version counter
-            versions = [ops.content_version(t) for t in ts]
-        return versions == self.versions and list(map(_DATA_PTR, ts)) == self.ptrs
-
-    def remember(self, values) -> None:
-        mask = [isinstance(v, torch.Tensor) for v in values]
-        self.mask = None if all(mask) else mask
-        ts = self._tensors(values)
-        self.ptrs = list(map(_DATA_PTR, ts))
-        self.versions = [ops.content_version(t) for t in ts]
-        self.epoch = ops.state_epoch()
-
-
-_VERSION = operator.attrgetter("_version")
-_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _bn_inv_std(w, var, eps):

@@ -41,8 +41,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \
     # read it (it comes first on sys.path from the repo root) and miss the
     # installed entry points, hiding backend="cpu_layout".
     rm -rf "$ROOT/cpu_layout.egg-info" "$ROOT/build"
-    # The C++ wrapper's segment runtime, built once into the cache (else the first compile builds it).
-    "$PY" -c "from cpu_layout.codegen import program; program.runtime()"
+    # The C++ wrapper's segment runtime and the module-state check, built once into the cache
+    # (else the first compile builds them).
+    "$PY" -c "from cpu_layout.codegen import program; from cpu_layout import state_key; program.runtime(); state_key.native()"
     echo "$HASH" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

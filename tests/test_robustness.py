@@ -226,23 +226,42 @@ def test_parameter_expanded_to_the_batch_under_mark_dynamic(compiled_graphs):
     assert len(compiled_graphs) == 1
 
 
-def test_state_key_sees_every_kind_of_change():
-    from cpu_layout import ops, runtime
+@pytest.mark.parametrize("check", ["c++", "python"])
+def test_state_key_sees_every_kind_of_change(check, monkeypatch):
+    from cpu_layout import ops, state_key
 
+    if check == "python":
+        monkeypatch.setattr(state_key, "_native", False)
+    else:
+        assert state_key.native() is not None, "the C++ state check did not build"
     w, b = torch.randn(4), torch.randn(4)
-    key = runtime.StateKey()
+    key = state_key.StateKey()
     assert not key.same([w, 3, b])  # nothing remembered yet
     key.remember([w, 3, b])
+    assert (key._state[-1] is not None) == (check == "c++")
     assert key.same([w, 5, b])  # arguments that are not tensors are graph constants
     b.add_(1)
     assert not key.same([w, 3, b]), "an in-place change bumps the version"
     key.remember([w, 3, b])
-    assert not key.same([w, 3, b.clone()]), "other storage"
-    assert not key.same([w, 3, b.to(torch.float64)]), "another dtype is another storage"
+    assert key.same([w, 3, b])
+    assert not key.same([w, 3, b.clone()]), "another tensor object"
+    assert not key.same([w, 3, b.to(torch.float64)]), "another dtype is another tensor"
     assert not key.same([w, 3]), "fewer tensors"
+    b.data = torch.randn(4)
+    assert not key.same([w, 3, b]), "the same object on other storage"
+    key.remember([w, 3, b])
+    with torch.no_grad():
+        b.set_(torch.randn(8)[2:6])
+    assert not key.same([w, 3, b]), "set_: other storage"
+    key.remember([w, 3, b])
+    assert key.same([w, 3, b])
     with torch.inference_mode():
         wi, bi = torch.randn(4), torch.randn(4)
     key.remember([wi, bi])
     assert key.same([wi, bi]), "inference tensors have no version counter: taken as unchanged"
     ops.refresh()
     assert not key.same([wi, bi]), "until refresh()"
+    key.remember([wi, bi])
+    with torch.inference_mode():
+        bi.data = torch.randn(4)
+    assert not key.same([wi, bi]), "an inference tensor on other storage"
