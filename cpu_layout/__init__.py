@@ -16,6 +16,12 @@ def __getattr__(name):
     raise AttributeError(f"module 'cpu_layout' has no attribute {name!r}")
 
 
+def compile_exported(ep, options=None):
+    """Compile a torch.export.ExportedProgram; call the result like `ep.module()`,
+    without Dynamo's per-call cost (see cpu_layout/exported.py, README)."""
+    return importlib.import_module("cpu_layout.exported").compile_exported(ep, options)
+
+
 def refresh() -> None:
     """Recompute every folded or reordered weight from the current parameters
     on the next call. Needed only after a change PyTorch cannot track: an

@@ -44,16 +44,20 @@ def _wants_cpp_wrapper(options: dict) -> bool:
     return bool(options.get("cpp_wrapper", config.cpp_wrapper_default()))
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
-    """Lower, fuse, plan and generate the wrapper for one inference graph."""
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
+                  param_indices: Optional[List[int]] = None):
+    """Lower, fuse, plan and generate the wrapper for one inference graph.
+    `param_indices`: inputs that are module state (parameters, buffers, constants);
+    by default aot_autograd's static inputs."""
     from cpu_layout import fuse, lower, schedule, threads
     from cpu_layout.codegen import wrapper
 
     threads.check_wait_policy()
     threads.pin_workers()
     t0 = time.perf_counter()
-    params = _static_input_indices(len(example_inputs))
-    g = lower.lower(gm, params)
+    if param_indices is None:
+        param_indices = _static_input_indices(len(example_inputs))
+    g = lower.lower(gm, param_indices)
     debug = bool(options.get("debug", config.debug()))
     cpp = _wants_cpp_wrapper(options)
     fuse.fuse_conv_epilogues(g, fuse.UNFUSED_ACTIVATIONS if cpp else ())
@@ -82,6 +86,27 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict):
     return call
 
 
+def compile_or_eager(gm: torch.fx.GraphModule, example_inputs, options: dict,
+                     param_indices: Optional[List[int]] = None):
+    """compile_graph, or the graph run eagerly with one warning if it fails
+    (CompileError under CPU_LAYOUT_STRICT=1). Both return a boxed call (one list)."""
+    try:
+        return compile_graph(gm, example_inputs, options, param_indices)
+    except Exception as exc:  # noqa: BLE001 - any failure means: run this graph eagerly
+        if config.strict():
+            raise CompileError(f"cpu_layout could not compile a graph: {exc}") from exc
+        _fallback_warning(f"{type(exc).__name__}: {exc}")
+        return _eager(gm)
+
+
+def check_options(options) -> dict:
+    options = dict(options or {})
+    unknown = set(options) - KNOWN_OPTIONS
+    if unknown:
+        raise ValueError(f"cpu_layout: unknown options {sorted(unknown)}; known: {sorted(KNOWN_OPTIONS)}")
+    return options
+
+
 def _eager(gm):
     def run(args):
         return gm(*args)
@@ -94,11 +119,8 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend; registered as `cpu_layout` through an entry point."""
     from torch._dynamo.backends.common import aot_autograd
 
-    options = dict(kwargs.pop("options", None) or {})
+    options = check_options(kwargs.pop("options", None))
     kwargs.pop("mode", None)
-    unknown = set(options) - KNOWN_OPTIONS
-    if unknown:
-        raise ValueError(f"cpu_layout: unknown options {sorted(unknown)}; known: {sorted(KNOWN_OPTIONS)}")
     if torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
     ):
@@ -112,13 +134,7 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         program.prefetch_runtime()  # builds while aot_autograd traces, when not cached yet
 
     def fw_compiler(fx_gm, fx_inputs):
-        try:
-            return compile_graph(fx_gm, fx_inputs, options)
-        except Exception as exc:  # noqa: BLE001 - any failure means: run this graph eagerly
-            if config.strict():
-                raise CompileError(f"cpu_layout could not compile a graph: {exc}") from exc
-            _fallback_warning(f"{type(exc).__name__}: {exc}")
-            return _eager(fx_gm)
+        return compile_or_eager(fx_gm, fx_inputs, options)
 
     # Dynamo's own aot_autograd wrapper, as its aot_eager backend uses: it keeps
     # Dynamo out of the compiled function (a graph split by a break of the DDP

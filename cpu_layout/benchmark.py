@@ -58,7 +58,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch  # noqa: E402
 
-BACKENDS = ("eager", "cpu_layout", "inductor", "inductor_freezing", "openvino")
+BACKENDS = ("eager", "cpu_layout", "cpu_layout_export", "inductor", "inductor_freezing", "openvino")
 DTYPES = ("float32", "bfloat16", "amp")
 WRAPPERS = ("default", "cpp")
 STATUSES = ("pass", "fail_accuracy", "fail_to_run", "eager_two_runs_differ")
@@ -301,6 +301,41 @@ def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOComp
     return OpenVINOCompiled("openvino", dtype, dynamic, "default", False, m, fn=m)
 
 
+@dataclasses.dataclass
+class ExportedCompiled(Compiled):
+    """cpu_layout through `cpu_layout.compile_exported`: on the first call
+    torch.export.export(model, (x,)) under no_grad and the dtype's autocast, then
+    compile_exported; calls skip Dynamo. Static shapes only."""
+
+    options: dict = dataclasses.field(default_factory=dict)
+    _compiled: Any = None
+
+    def __call__(self, x):
+        with torch.no_grad(), _autocast(self.dtype):
+            if self._compiled is None:
+                self._compile(x)
+            self.runs += 1
+            return self._compiled(x)
+
+    def _compile(self, x: torch.Tensor) -> None:
+        from cpu_layout.exported import compile_exported
+
+        opts = dict(self.options)
+        if self.wrapper == "cpp":
+            opts["cpp_wrapper"] = True
+        ep = torch.export.export(self.model, (x,))
+        self._compiled = compile_exported(ep, opts)
+        self.compiles += 1
+
+
+def _exported(model, dtype, dynamic, wrapper, channels_last, options) -> ExportedCompiled:
+    if dynamic:
+        raise NotSupportedYet("cpu_layout.compile_exported compiles static shapes")
+    m = prepare_model(model, dtype, channels_last)
+    return ExportedCompiled("cpu_layout_export", dtype, dynamic, wrapper, channels_last, m, fn=m,
+                            options=dict(options or {}))
+
+
 def _backend_callable(c: Compiled, backend: str, wrapper: str, options: Optional[dict]):
     """The compiler Dynamo calls: counts compiles, wraps the result to count runs."""
     if backend == "cpu_layout":
@@ -373,12 +408,14 @@ def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if wrapper not in WRAPPERS:
         raise ValueError(f"unknown wrapper {wrapper!r}; choose from {', '.join(WRAPPERS)}")
-    if backend == "cpu_layout" and wrapper == "cpp":
+    if backend.startswith("cpu_layout") and wrapper == "cpp":
         ok, reason = cpp_wrapper_supported()
         if not ok:
             raise NotSupportedYet(cpp_not_supported_message(reason))
     if backend == "openvino":
         return _openvino(model, dtype, dynamic)
+    if backend == "cpu_layout_export":
+        return _exported(model, dtype, dynamic, wrapper, channels_last, options)
     m = prepare_model(model, dtype, channels_last)
     c = Compiled(backend, dtype, dynamic, wrapper, channels_last, m, fn=m)
     if backend == "eager":

@@ -12,6 +12,8 @@ median latency of
   frzpy      Inductor with freezing, default (Python) wrapper
   cpl        cpu_layout, default (Python) wrapper
   cplcpp     cpu_layout, C++ wrapper (options={"cpp_wrapper": True})
+  cplexp     cpu_layout.compile_exported(torch.export.export(model, (x,))), C++ wrapper:
+             no Dynamo per call (static shapes only)
   ov         OpenVINO's CPU plugin (ov.convert_model + ov.compile_model; fp32 input,
              INFERENCE_PRECISION_HINT bf16 for amp, bfloat16; benchmark.OpenVINOCompiled)
 timed in interleaved rounds in the same process (so machine noise hits all alike),
@@ -76,15 +78,16 @@ VARIANTS = {
     "frzpy": ("inductor_freezing", False, "default"),
     "cpl": ("cpu_layout", False, "default"),
     "cplcpp": ("cpu_layout", False, "cpp"),
+    "cplexp": ("cpu_layout_export", False, "cpp"),
     # OpenVINO called directly, not through torch.compile(backend="openvino"), which fails
     # on torch 2.13 (see cpu_layout.benchmark.OpenVINOCompiled)
     "ov": ("openvino", False, "default"),
 }
-COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "ov")
-OURS = ("cpl", "cplcpp")
+COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "cplexp", "ov")
+OURS = ("cpl", "cplcpp", "cplexp")
 # Comparisons printed under the table: (ours, theirs, what kind of comparison).
 PAIRS = (("cpl", "frzpy", "same kind of wrapper"), ("cplcpp", "frz", "same kind of wrapper"),
-         ("cpl", "ov", "OpenVINO"), ("cplcpp", "ov", "OpenVINO"))
+         ("cpl", "ov", "OpenVINO"), ("cplcpp", "ov", "OpenVINO"), ("cplexp", "ov", "OpenVINO"))
 # --models all for the real suites: common classification CNNs.
 SUITE_ALL = {
     "torchvision": ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0",
@@ -257,7 +260,7 @@ def print_table(results, variants):
             line += fmt_s(t)
             if t:
                 ctime[v].append(t)
-        cp = r["compile"].get("cpl") or r["compile"].get("cplcpp")
+        cp = r["compile"].get("cpl") or r["compile"].get("cplcpp") or r["compile"].get("cplexp")
         for k in cratio:
             if cp and r["compile"].get(k):
                 cratio[k].append(cp / r["compile"][k])

@@ -88,8 +88,8 @@ def main(argv=None):
         graphs = []
         real = backend.compile_graph
 
-        def spy(gm, inputs, options, real=real):
-            call = real(gm, inputs, options)
+        def spy(gm, inputs, options, *rest, real=real):
+            call = real(gm, inputs, options, *rest)
             graphs.append(call)
             return call
 

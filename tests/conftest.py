@@ -42,8 +42,8 @@ def compiled_graphs(monkeypatch):
     made = []
     real = backend.compile_graph
 
-    def spy(gm, inputs, options):
-        call = real(gm, inputs, options)
+    def spy(gm, inputs, options, *rest):
+        call = real(gm, inputs, options, *rest)
         made.append(call)
         return call
 

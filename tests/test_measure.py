@@ -65,7 +65,7 @@ def test_a_compile_plans_with_measured_costs(cache, monkeypatch):
     made = []
     real = backend.compile_graph
     monkeypatch.setattr(backend, "compile_graph",
-                        lambda gm, inputs, options: made.append(real(gm, inputs, options)) or made[-1])
+                        lambda gm, inputs, options, *rest: made.append(real(gm, inputs, options, *rest)) or made[-1])
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)).eval()
     x = torch.randn(1, 3, 24, 24)
     torch._dynamo.reset()
