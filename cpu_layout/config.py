@@ -35,14 +35,15 @@ def autotune_budget() -> float:
         return 2.0
 
 
-CONV_IMPLS = ("auto", "onednn", "aten")
+CONV_IMPLS = ("auto", "onednn", "onednn_next", "aten")
 
 
 def conv_impl() -> str:
     """CPU_LAYOUT_CONV_IMPL: which implementation runs a channels-last conv that
     both can run. auto (default): the faster measured one (plan/measure.py);
-    onednn: always cpu_layout's own oneDNN; aten: torch's bundled oneDNN
-    wherever it can (for tests)."""
+    onednn: always cpu_layout's own oneDNN, its first implementation;
+    onednn_next: ours on oneDNN's next implementation for every grouped conv
+    (for tests); aten: torch's bundled oneDNN wherever it can (for tests)."""
     v = os.environ.get("CPU_LAYOUT_CONV_IMPL", "auto").strip().lower() or "auto"
     if v not in CONV_IMPLS:
         raise ValueError(f"CPU_LAYOUT_CONV_IMPL={v!r}: choose from {', '.join(CONV_IMPLS)}")

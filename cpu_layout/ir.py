@@ -136,6 +136,8 @@ class Conv(Node):
     # What runs it: "onednn" (cpu_layout's own) or "aten" (torch's bundled oneDNN,
     # when measured faster in NHWC; schedule.choose_conv_impls).
     impl: str = "onednn"
+    # onednn: which of oneDNN's suitable implementations (0: its first; see ops.conv2d).
+    impl_rank: int = 0
     rule: str = FREE
 
 

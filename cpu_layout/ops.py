@@ -332,7 +332,8 @@ def _post_op_key(post_ops):
     return tuple(key), tuple(tensors)
 
 
-def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, xfmt, wfmt):
+def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, xfmt, wfmt,
+              impl_rank=0):
     """Check everything about a call that does not change between calls with the same key."""
     for name, t in (("input", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.device.type != "cpu":
@@ -414,6 +415,9 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
     a.src_cl = src_cl
     a.dst_cl = dst_cl
     a.w_cl = w_cl
+    if not (isinstance(impl_rank, int) and 0 <= impl_rank <= 8):
+        raise ValueError(f"impl_rank must be an int in 0..8, got {impl_rank!r}")
+    a.impl_rank = impl_rank
     a.n, a.ic, a.oc, a.groups = n, ic, oc, groups
     for i in range(nsp):
         a.in_sp[i], a.k_sp[i], a.out_sp[i] = in_sp[i], k_sp[i], out_sp[i]
@@ -427,7 +431,7 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
     return _Problem(a, (n, oc, *out_sp), dst_cl, src_cl, xfmt == 3, w_cl, wfmt == 3)
 
 
-def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout):
+def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0):
     xfmt = _fmt_class(x)
     wfmt = 0 if weight.is_contiguous() else _fmt_class(weight)
     po_key, residuals = _post_op_key(post_ops)
@@ -435,7 +439,7 @@ def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, 
         nsp, x.dtype, x.shape, xfmt, weight.dtype, weight.shape, wfmt,
         None if bias is None else (bias.dtype, bias.shape, bias.dim()),
         _hashable(stride), _hashable(padding), _hashable(dilation), groups, po_key,
-        out_layout if isinstance(out_layout, (str, type(None))) else str(out_layout),
+        out_layout if isinstance(out_layout, (str, type(None))) else str(out_layout), impl_rank,
     )
     try:
         prob = _problems.get(key)
@@ -443,7 +447,7 @@ def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, 
         prob, key = None, None
     if prob is None:
         prob = _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
-                         out_layout, xfmt, wfmt)
+                         out_layout, xfmt, wfmt, impl_rank)
         if key is not None:
             with _problems_lock:
                 if len(_problems) >= _PROBLEM_CACHE_MAX:
@@ -452,7 +456,7 @@ def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, 
     return prob, residuals
 
 
-def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout):
+def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0):
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("input and weight must be tensors")
     if bias is not None and not isinstance(bias, torch.Tensor):
@@ -473,7 +477,8 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
         )
     if weight.dim() != nsp + 2:
         raise ValueError(f"conv{nsp}d expects a {nsp + 2}-d weight, got size {tuple(weight.shape)}")
-    prob, residuals = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+    prob, residuals = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout,
+                               impl_rank)
     if prob.copy_src:
         x = to_dense(x, prob.dst_cl)
     if prob.copy_w:
@@ -571,7 +576,8 @@ def aten_conv2d(x, weight, bias, stride, padding, dilation, groups, attr: tuple)
                                                    list(dilation), groups, unary, scalars, alg)
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None,
+           impl_rank=0):
     """2-d forward convolution with optional fused post-ops.
 
     post_ops: applied in order to conv(x) + bias. Names: relu, leaky_relu
@@ -580,8 +586,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post
     output's size and dtype.
     out_layout: None (the format eager torch would give), "contiguous"/"nchw"
     or "channels_last"/"nhwc" (torch memory formats work too).
+    impl_rank: 0 runs oneDNN's first suitable implementation; k the k-th after
+    it, when there is one (else the first); `impl_name` tells which.
     """
-    return _run(2, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+    return _run(2, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank)
 
 
 def conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
@@ -594,12 +602,14 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post
     return _run(3, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
 
 
-def impl_name(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):
+def impl_name(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None,
+              impl_rank=0):
     """The oneDNN implementation that runs this convolution (e.g. 'brgconv:avx2')."""
     nsp = x.dim() - 2
     if nsp not in (1, 2, 3) or weight.dim() != x.dim():
         raise ValueError(f"impl_name needs a batched 3/4/5-d input and a weight of the same rank")
-    prob, _ = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout)
+    prob, _ = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout,
+                       impl_rank)
     out = ffi.new("char[]", 256)
     _native.check(lib.cl_conv_impl_name(prob.args, out, 256))
     return ffi.string(out).decode()

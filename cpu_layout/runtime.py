@@ -184,6 +184,7 @@ class ConvCall:
         self.bn_has = (node.bn.weight is not None, node.bn.bias is not None) if node.bn else None
         # torch's bundled oneDNN instead (schedule.choose_conv_impls): NHWC, no residuals.
         self.aten_attr = ops.aten_conv_attr(node.post_ops) if node.impl == "aten" else None
+        self.impl_rank = node.impl_rank
 
     def __call__(self, x, w, *rest):
         rest = list(rest)
@@ -201,7 +202,7 @@ class ConvCall:
             it = iter(rest)
             post = [("add", next(it)) if isinstance(p, tuple) and p[0] == "add" else p for p in post]
         return ops._run(self.nsp, x, w, b, self.stride, self.padding, self.dilation, self.groups,
-                        post, self.out_layout)
+                        post, self.out_layout, self.impl_rank)
 
 
 def empty_in_order(size, dtype, order: str) -> torch.Tensor:

@@ -154,22 +154,27 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
 
 
 def choose_conv_impls(g: ir.Graph) -> None:
-    """Each conv the plan runs in NHWC runs on torch's bundled oneDNN where that
-    was measured faster (its ConvCost.nhwc_impl) and can run it
-    (ops.aten_conv_candidate).
-    CPU_LAYOUT_CONV_IMPL=onednn|aten overrides the measurement."""
+    """Each conv the plan runs in NHWC runs on what was measured fastest there
+    (its ConvCost): torch's bundled oneDNN where it can run it
+    (ops.aten_conv_candidate), else ours on oneDNN's first or next
+    implementation. CPU_LAYOUT_CONV_IMPL overrides the measurement."""
     force = config.conv_impl()
     decided = getattr(getattr(g, "plan", None), "convs", {})
     for n in g.nodes:
         if not isinstance(n, ir.Conv):
             continue
-        n.impl = "onednn"
-        if (force == "onednn" or n.out.layout != L.CHANNELS_LAST
-                or ops.aten_conv_candidate(n.x.dtype, n.x.size, n.out.size, n.post_ops) is None):
+        n.impl, n.impl_rank = "onednn", 0
+        if force == "onednn" or n.out.layout != L.CHANNELS_LAST:
+            continue
+        if force == "onednn_next":
+            n.impl_rank = 1 if n.groups > 1 else 0
             continue
         d = decided.get(n.out.name)
-        if force == "aten" or (d is not None and d.cost.nhwc_impl == "aten"):
+        if (ops.aten_conv_candidate(n.x.dtype, n.x.size, n.out.size, n.post_ops) is not None
+                and (force == "aten" or (d is not None and d.cost.nhwc_impl == "aten"))):
             n.impl = "aten"
+        elif force == "auto" and d is not None:
+            n.impl_rank = d.cost.nhwc_rank
 
 
 def bind(g: ir.Graph, extra_kernels=()):

@@ -45,6 +45,8 @@ typedef struct {
     int src_cl;          /* 1: src is channels-last (NWC/NHWC/NDHWC), 0: NCW/NCHW/NCDHW */
     int dst_cl;
     int w_cl;            /* 1: weight is channels-last (O..I), 0: contiguous (OI..) */
+    int impl_rank;       /* 0: oneDNN's first acceptable implementation; k: the k-th one
+                            after it when there is one (measured faster), else the first */
     long long n;
     long long ic;
     long long oc;

@@ -142,6 +142,7 @@ Key make_key(const cl_conv_args &in) {
     a.src_cl = in.src_cl ? 1 : 0;
     a.dst_cl = in.dst_cl ? 1 : 0;
     a.w_cl = in.w_cl ? 1 : 0;
+    a.impl_rank = in.impl_rank;
     a.n = in.n;
     a.ic = in.ic;
     a.oc = in.oc;
@@ -192,6 +193,7 @@ void validate(const cl_conv_args &a) {
             fail("output size " + std::to_string(a.out_sp[i]) + " in spatial dim " + std::to_string(i) +
                  " does not follow from input, kernel, stride, padding and dilation");
     }
+    if (a.impl_rank < 0 || a.impl_rank > 8) fail("impl_rank must be 0..8");
     if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) fail("too many post-ops");
     for (int i = 0; i < a.n_post_ops; ++i) {
         int k = a.post_ops[i].kind;
@@ -458,12 +460,29 @@ dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt comp
             src_md, wei_md, dst_md, strides, dil, pl, pr, attr, true);
     if (!pd) return pd;
     // Implementations come best first; skip known-wrong ones always and
-    // unacceptable ones when asked.
-    while (known_wrong(pd.impl_info_str(), a, compute) ||
-           (reject_ref && !acceptable(pd.impl_info_str(), a))) {
-        if (!pd.next_impl()) return dnnl::convolution_forward::primitive_desc();
+    // unacceptable ones when asked. oneDNN's order is a heuristic: for some
+    // shapes a later one is faster (NHWC depthwise: jit_dw against brdgmm_dw,
+    // either way round by up to 1.6x), so the caller may ask for the rank-th
+    // acceptable one after the first. Ranks count distinct names: once a
+    // primitive of the problem is in oneDNN's cache, the iteration yields that
+    // implementation twice.
+    int skip = reject_ref ? a.impl_rank : 0;
+    std::vector<std::string> seen;
+    for (;;) {
+        const char *name = pd.impl_info_str();
+        if (!known_wrong(name, a, compute) && (!reject_ref || acceptable(name, a)) &&
+            std::find(seen.begin(), seen.end(), name) == seen.end()) {
+            if (skip-- == 0) return pd;
+            seen.emplace_back(name);
+        }
+        if (!pd.next_impl()) break;
     }
-    return pd;
+    if (reject_ref && a.impl_rank > 0) {  // fewer implementations than asked: the first
+        cl_conv_args first = a;
+        first.impl_rank = 0;
+        return make_pd(first, compute, src_fmt, dst_fmt, reject_ref, sum_slot);
+    }
+    return dnnl::convolution_forward::primitive_desc();
 }
 
 std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {

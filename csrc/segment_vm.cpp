@@ -144,10 +144,11 @@ int64_t Run::expr() {
   return st[0];
 }
 
-// CONV out x w_const b_const(-1) nsp es dst_cl w_cl oc groups ic k[nsp] s[nsp] p[nsp] d[nsp]
+// CONV out x w_const b_const(-1) nsp es dst_cl w_cl impl_rank oc groups ic k[nsp] s[nsp] p[nsp] d[nsp]
 //      npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
 void Run::conv() {
   const int64_t out = A(), x = A(), wi = A(), bi = A(), nsp = A(), es = A(), dst_cl = A(), w_cl = A();
+  const int64_t impl_rank = A();
   const int64_t oc = A(), groups = A(), ic = A();
   const int64_t *k = P(nsp), *s = P(nsp), *pd = P(nsp), *dl = P(nsp);
   const int64_t npost = A();
@@ -175,6 +176,7 @@ void Run::conv() {
   a.src_cl = scl;
   a.dst_cl = (int)dst_cl;
   a.w_cl = (int)w_cl;
+  a.impl_rank = (int)impl_rank;
   a.n = xsz[0];
   a.ic = xsz[1];
   a.oc = oc;

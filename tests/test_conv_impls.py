@@ -1,5 +1,6 @@
-"""A channels-last conv runs on cpu_layout's oneDNN or on torch's bundled one,
-whichever was measured faster (plan/measure.py, schedule.choose_conv_impls).
+"""A channels-last conv runs on cpu_layout's oneDNN (its first or next
+implementation) or on torch's bundled one, whichever was measured faster
+(plan/measure.py, schedule.choose_conv_impls).
 Every candidate must give eager's values and strides in both wrappers, follow
 weight changes, and run from several threads; CPU_LAYOUT_CONV_IMPL forces one."""
 import threading
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from cpu_layout import ir, ops
 from cpu_layout.plan import measure
 
-IMPLS = ["onednn", "aten"]
+IMPLS = ["onednn", "onednn_next", "aten"]
 MODES = [False, True]
 
 
@@ -50,7 +51,8 @@ def _impls(graph):
     """The impl of each conv of one compiled graph (inside segments in cpp_wrapper mode)."""
     nodes = graph.cpu_layout_graph.nodes
     members = [m for n in nodes if isinstance(n, ir.Segment) for m in n.members] + list(nodes)
-    return sorted(m.impl for m in members if isinstance(m, ir.Conv))
+    return sorted(m.impl + (f":{m.impl_rank}" if m.impl_rank else "")
+                  for m in members if isinstance(m, ir.Conv))
 
 
 @pytest.mark.parametrize("post_ops, ref", [
@@ -104,13 +106,15 @@ def test_each_candidate_gives_eagers_values_and_strides(impl, cpp, amp, grad_mod
     assert len(compiled_graphs) == 2  # batch 2, then a dynamic batch
     for g in compiled_graphs:
         # The residual conv (two post-ops: add, relu) stays on ours whatever is forced.
-        want = ["aten"] * 3 + ["onednn"] if impl == "aten" else ["onednn"] * 4
+        want = {"aten": ["aten"] * 3 + ["onednn"], "onednn_next": ["onednn"] * 3 + ["onednn:1"],
+                "onednn": ["onednn"] * 4}[impl]  # onednn_next: the depthwise conv
         assert _impls(g) == want
 
 
+@pytest.mark.parametrize("impl", ["onednn_next", "aten"])
 @pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
-def test_torchs_conv_follows_weight_changes(cpp, monkeypatch):
-    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "aten")
+def test_each_candidate_follows_weight_changes(cpp, impl, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", impl)
     model = _model()
     fn = _compile(model, cpp)
     x = torch.randn(2, 8, 12, 12)
@@ -123,9 +127,10 @@ def test_torchs_conv_follows_weight_changes(cpp, monkeypatch):
         torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["onednn_next", "aten"])
 @pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
-def test_torchs_conv_runs_from_several_threads(cpp, monkeypatch):
-    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "aten")
+def test_each_candidate_runs_from_several_threads(cpp, impl, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", impl)
     model = _model()
     fn = _compile(model, cpp)
     xs = [torch.randn(2, 8, 12, 12) for _ in range(4)]
@@ -161,6 +166,37 @@ def test_the_measured_faster_candidate_is_chosen_beyond_the_margin():
     assert f"torch's oneDNN NHWC {beyond:.0f} us" in measure.measured_cost([100.0, 80.0, beyond]).source
 
 
+def test_onednns_next_implementation_is_chosen_beyond_its_margin():
+    nxt = 80.0 * (1 - measure.NEXT_MARGIN) - 1.0
+    cost = measure.measured_cost([100.0, 80.0, None, nxt])
+    assert (cost.nhwc_impl, cost.nhwc_rank, cost.nhwc_us) == ("onednn", 1, nxt)
+    assert "next implementation" in cost.source
+    assert measure.measured_cost([100.0, 80.0, None, 80.0 * (1 - measure.NEXT_MARGIN) + 1.0]).nhwc_rank == 0
+    assert measure.measured_cost([100.0, 80.0, None, None]).nhwc_rank == 0
+    # torch's must beat the better of ours by its own margin
+    aten_wins = nxt * (1 - measure.ATEN_MARGIN) - 1.0
+    assert measure.measured_cost([100.0, 80.0, aten_wins, nxt]).nhwc_impl == "aten"
+    assert measure.measured_cost([100.0, 80.0, nxt * (1 - measure.ATEN_MARGIN) + 1.0, nxt]).nhwc_rank == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_implementation_rank_gives_the_same_conv(dtype):
+    x = torch.randn(2, 32, 14, 14).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(32, 1, 3, 3) * 0.3).to(dtype)
+    b = torch.randn(32).to(dtype)
+    kw = dict(stride=1, padding=1, groups=32, post_ops=["relu"], out_layout="nhwc")
+    ref = F.relu(F.conv2d(x.float(), w.float(), b.float(), 1, 1, 1, 32))
+    names = [ops.impl_name(x, w, b, impl_rank=r, **kw) for r in range(9)]
+    assert names[8] == names[0], "a rank beyond oneDNN's list runs its first implementation"
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for r in range(9):
+        y = ops.conv2d(x, w, b, impl_rank=r, **kw)
+        assert y.is_contiguous(memory_format=torch.channels_last) and y.dtype == dtype
+        torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="impl_rank"):
+        ops.conv2d(x, w, b, impl_rank=9, **kw)
+
+
 def test_torchs_conv_is_timed_for_grouped_convs_only():
     """Dense convs are not offered to torch's oneDNN (it never won on them)."""
     from cpu_layout.plan import graph as pg
@@ -171,8 +207,9 @@ def test_torchs_conv_is_timed_for_grouped_convs_only():
                        post_ops=("relu",))
 
     dense, depthwise = measure._measure(conv(1)), measure._measure(conv(16))
-    assert dense[2] is None and dense[0] > 0 and dense[1] > 0
+    assert dense[2] is None and dense[3] is None and dense[0] > 0 and dense[1] > 0
     assert depthwise[2] is not None and depthwise[2] > 0
+    assert depthwise[3] is None or depthwise[3] > 0  # oneDNN's next implementation, when it has one
 
 
 @pytest.mark.parametrize("faster", [True, False])

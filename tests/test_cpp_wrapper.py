@@ -413,7 +413,7 @@ def _conv_in_place(ops):
     """The residual register a CONV instruction takes over, -1 for none (operands as
     csrc/segment_vm.cpp's Run::conv reads them)."""
     nsp = ops[4]
-    i = 11 + 4 * nsp
+    i = 12 + 4 * nsp  # out x w b nsp es dst_cl w_cl impl_rank oc groups ic, then k s p d
     i += 1 + 3 * ops[i]  # post-ops
     i += 1 + ops[i]  # residuals
     return ops[i]

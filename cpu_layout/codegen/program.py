@@ -344,7 +344,7 @@ class SegmentEncoder:
         for kind, alpha, beta, _ in parsed:
             post_ops += [kind, self.p.real(alpha), self.p.real(beta)]
         self.p.op("CONV", out, x, wi, bi, nsp, ES[n.x.dtype], dst_cl, _weight_flag(weight_format(n.weight)),
-                  int(n.weight.size[0]), n.groups, int(n.weight.size[1]) * n.groups,
+                  n.impl_rank, int(n.weight.size[0]), n.groups, int(n.weight.size[1]) * n.groups,
                   k, n.stride, n.padding, n.dilation, len(parsed), post_ops, len(res), res,
                   self.reg[inplace] if inplace is not None else -1, self.fresh_flag(n.out),
                   self.p.name(n.name))

@@ -75,8 +75,10 @@ class ConvCost:
     nchw_us: float
     nhwc_us: float
     source: str  # "table: <class>" or "heuristic: <rule>"
-    # What runs the conv in NHWC at nhwc_us: "onednn" (ours) or "aten" (torch's bundled oneDNN).
+    # What runs the conv in NHWC at nhwc_us: "onednn" (ours) or "aten" (torch's bundled oneDNN),
+    # and for ours which of oneDNN's implementations (ops.conv2d's impl_rank).
     nhwc_impl: str = "onednn"
+    nhwc_rank: int = 0
 
     def of(self, label: str) -> float:
         return self.nhwc_us if label == CHANNELS_LAST else self.nchw_us

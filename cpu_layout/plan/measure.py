@@ -14,12 +14,18 @@ a separate pass, and measured without them efficientnet_b0's convs ran 1.37x
 slower in the graph than the plan predicted. A grouped or depthwise conv
 torch's bundled oneDNN can also run (`ops.aten_conv_candidate`: at most one
 unary post-op, no size-1 dims) is timed on it too, in NHWC, and runs there
-when it is at least ATEN_MARGIN faster (`ConvCost.nhwc_impl`). Dense convs
+when it is at least ATEN_MARGIN faster (`ConvCost.nhwc_impl`); and on ours
+with oneDNN's next implementation (`ops.conv2d(impl_rank=1)`), which runs it
+when at least NEXT_MARGIN faster (`ConvCost.nhwc_rank`): oneDNN 3.2 ranks
+brdgmm_dw first for every NHWC depthwise conv, and jit_dw is the faster one
+for some shapes (EPYC Zen 4, batch 8, 2 threads: C16 112x112 0.46 vs 0.74 ms,
+C120 28x28 5x5 0.29 vs 0.37 ms; the other way round 0.76 vs 1.16 ms at C72
+56x56). Dense convs
 are not: of 706 dense shapes timed on both (torchvision's models, batch 1
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
 compile of resnet50 or densenet121 spent. Results are cached on disk per
-oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv4-<isa>-<threads>t.json`,
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv5-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
@@ -48,6 +54,9 @@ _LOCK = threading.Lock()
 # 2 threads 27.7 vs 26.2 ms; efficientnet_b0 batch 1, 1 thread 14.8 vs 14.1 ms;
 # EPYC Zen 4, interleaved A/B).
 ATEN_MARGIN = 0.15
+# Ours on oneDNN's next implementation: the same buffers either way, so only
+# the timing's noise to stay clear of.
+NEXT_MARGIN = 0.05
 
 
 class MeasuredCostModel(CostModel):
@@ -65,7 +74,7 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv4-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv5-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
         if self._disk is None:
@@ -131,22 +140,31 @@ class MeasuredCostModel(CostModel):
 
 
 def measured_cost(got) -> ConvCost:
-    """The cost of a conv from its timings [NCHW, NHWC, torch's oneDNN NHWC or None] (µs)."""
+    """The cost of a conv from its timings [NCHW, NHWC, torch's oneDNN NHWC or None,
+    ours NHWC on oneDNN's next implementation or None] (µs)."""
     nchw, nhwc = got[0], got[1]
     aten = got[2] if len(got) > 2 else None
+    nxt = got[3] if len(got) > 3 else None
     text = f"measured: ours NCHW {nchw:.0f} us, NHWC {nhwc:.0f} us"
-    if aten is None:
-        return ConvCost(nchw, nhwc, text)
-    text += f", torch's oneDNN NHWC {aten:.0f} us"
-    if aten < (1.0 - ATEN_MARGIN) * nhwc:
-        return ConvCost(nchw, aten, text + " (NHWC runs on torch's)", nhwc_impl="aten")
-    return ConvCost(nchw, nhwc, text)
+    rank = 0
+    if nxt is not None:
+        text += f", NHWC on oneDNN's next implementation {nxt:.0f} us"
+        if nxt < (1.0 - NEXT_MARGIN) * nhwc:
+            nhwc, rank = nxt, 1
+            text += " (NHWC runs on it)"
+    if aten is not None:
+        text += f", torch's oneDNN NHWC {aten:.0f} us"
+        if aten < (1.0 - ATEN_MARGIN) * nhwc:
+            return ConvCost(nchw, aten, text + " (NHWC runs on torch's)", nhwc_impl="aten")
+    return ConvCost(nchw, nhwc, text, nhwc_rank=rank)
 
 
 def _measure(conv, rounds: int = 5):
     """Fastest µs of the conv in NCHW and in NHWC on cpu_layout's oneDNN path
-    (input, output and residual in that layout, bias, its post-ops), and in NHWC
-    on torch's bundled oneDNN when it can run the conv (else None), interleaved."""
+    (input, output and residual in that layout, bias, its post-ops), in NHWC
+    on torch's bundled oneDNN when it can run the conv, and for a grouped conv
+    in NHWC on oneDNN's next implementation when there is another (else None),
+    interleaved."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # compiles run under Dynamo's fake tensors: time real ones
@@ -175,6 +193,12 @@ def _measure_real(conv, rounds):
     if attr is not None:
         runs["aten"] = lambda: ops.aten_conv2d(xs["nhwc"], w, b, conv.stride, conv.padding, conv.dilation,
                                                conv.groups, attr)
+    if conv.groups > 1:
+        names = [ops.impl_name(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"], impl_rank=r,
+                               **args) for r in (0, 1)]
+        if names[1] != names[0]:
+            runs["next"] = lambda: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
+                                              impl_rank=1, **args)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for run in runs.values():
@@ -184,4 +208,5 @@ def _measure_real(conv, rounds):
                 t0 = time.perf_counter()
                 run()
                 times[k].append((time.perf_counter() - t0) * 1e6)
-    return [min(times["nchw"]), min(times["nhwc"]), min(times["aten"]) if "aten" in times else None]
+    return [min(times["nchw"]), min(times["nhwc"])] + [min(times[k]) if k in times else None
+                                                       for k in ("aten", "next")]
