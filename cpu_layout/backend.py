@@ -128,10 +128,13 @@ def cpu_layout_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                           "or torch.inference_mode())")
         return gm.forward
 
+    from cpu_layout import state_key
+
+    state_key.prefetch()  # both build while aot_autograd traces, when not cached yet
     if _wants_cpp_wrapper(options):
         from cpu_layout.codegen import program
 
-        program.prefetch_runtime()  # builds while aot_autograd traces, when not cached yet
+        program.prefetch_runtime()
 
     def fw_compiler(fx_gm, fx_inputs):
         return compile_or_eager(fx_gm, fx_inputs, options)

@@ -36,6 +36,14 @@ def native():
     return _native or None
 
 
+def prefetch() -> None:
+    """Build the library in the background (a first compile traces meanwhile);
+    `native()` waits for it."""
+    if _native is not None or _native_lock.locked():
+        return
+    threading.Thread(target=native, name="cpu_layout state check build", daemon=True).start()
+
+
 def _build():
     import os
 
