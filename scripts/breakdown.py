@@ -2,7 +2,7 @@
 
     python scripts/breakdown.py [--suite torchvision|timm|builtin] --models a,b [--batch 1]
                                 [--size N] [--threads 1] [--dtype float32|amp] [--iters 20]
-                                [--wrapper python|cpp]
+                                [--wrapper python|cpp] [--entry compile|exported]
 
 Python wrapper (default): compiles under CPU_LAYOUT_PROFILE=1, which times
 every call the wrapper makes by kind (oneDNN convs, generated kernels, matmuls
@@ -12,7 +12,8 @@ C++ wrapper (--wrapper cpp): the segment runtime times each instruction it
 runs (`program.set_profiling`), grouped the same way; "segment runtime" is
 what its calls spend outside their instructions (taking inputs, releasing
 registers), and "outside the segments" is the rest of the forward: Dynamo's
-guards and frame, AOT's wrapper, and ours (module-state check, handles).
+guards and frame, AOT's wrapper, and ours (module-state check, handles); with
+--entry exported (cpu_layout.compile_exported) no Dynamo, only our input checks.
 Both print milliseconds per forward for each kind, the copies made per
 forward, and the plan's own predictions next to the measured times: of what
 its layouts decide (convs, copies, ATen pooling) and of the whole forward
@@ -70,6 +71,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=("float32", "amp"))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--wrapper", default="python", choices=("python", "cpp"))
+    ap.add_argument("--entry", default="compile", choices=("compile", "exported"),
+                    help="torch.compile, or cpu_layout.compile_exported (no Dynamo per call)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from cpu_layout import backend
@@ -98,7 +101,12 @@ def main(argv=None):
         amp = args.dtype == "amp"
         try:
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+                if args.entry == "exported":
+                    import cpu_layout
+
+                    fn = cpu_layout.compile_exported(torch.export.export(model, (x,)), {"cpp_wrapper": cpp})
+                else:
+                    fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
                 for _ in range(3):
                     fn(x)
                 runtime.PROFILE.clear()
@@ -121,7 +129,7 @@ def main(argv=None):
             per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
         plans = [c.cpu_layout_graph.plan for c in graphs if hasattr(c.cpu_layout_graph, "plan")]
         print(f"{name} ({args.suite}, {args.dtype}, batch {x.shape[0]}, {tuple(x.shape[2:])}, "
-              f"{args.threads} threads, {args.wrapper} wrapper): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
+              f"{args.threads} threads, {args.wrapper} wrapper, {args.entry}): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
               f"{copies:.0f} layout copies per forward")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"  {k:22s} {v:9.3f} ms  {100 * v / wall:5.1f}%")
