@@ -618,3 +618,47 @@ def test_pool_kernel_refuses_other_layouts():
     x = torch.randn(1, 4, 8, 8)  # NCHW
     with pytest.raises(ValueError, match="channels-last"):
         kern(x, torch.empty(1, 4, 4, 4))
+
+
+# ---------------------------------------------------------------- bf16 math staged through floats
+STAGED = [  # (input dtypes, outputs): each has vector math and a bf16 operand
+    ([bf16], [(op("silu", X), bf16)]),
+    ([bf16, f32], [(op("mul", op("sigmoid", Y), X), bf16), (op("exp", X), f32)]),
+    ([f32], [(op("gelu", X, params=("tanh",)), bf16)]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STAGED)))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_staged_bf16_math_equals_the_direct_loop(case, layout, monkeypatch):
+    """Kernels with vector math over bf16 run a block at a time through float
+    buffers (faster); the values are the direct loop's over several blocks and
+    a remainder, in any layout, and in place: the same float operations, except
+    that the loops' scalar remainders (libm's, not libmvec's) fall on other
+    elements, last-ulp differences there."""
+    from cpu_layout.codegen import cpp_kernels
+
+    ins, outs = STAGED[case]
+    staged = PointwiseKernel(ins, outs, 4)
+    assert "[cl::BLOCK]" in staged._body("k"), "the staged loop is generated"
+    monkeypatch.setattr(cpp_kernels, "_calls_vector_math", lambda e: False)
+    direct = PointwiseKernel(ins, outs, 4)
+    assert "[cl::BLOCK]" not in direct._body("k")
+    direct = direct.compile()
+    monkeypatch.undo()
+    staged = staged.compile()
+    shape = (2, 7, 13, 23)  # 4186 elements: 8 blocks and a remainder when flat
+    xs = [LAYOUTS[layout](nchw(*shape, dtype=d, seed=i)) for i, d in enumerate(ins)]
+    want = [torch.empty(shape, dtype=d) for _, d in outs]
+    got = [torch.empty(shape, dtype=d) for _, d in outs]
+    direct(shape, xs, want)
+    staged(shape, xs, got)
+    for w, g in zip(want, got):  # libm and libmvec expf: within 2 float ulp, 1 bf16 ulp
+        if w.dtype == bf16:
+            assert (ordered(w) - ordered(g)).abs().max().item() <= 1
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    if outs[0][1] == ins[0]:  # in place: output 0 over input 0
+        x0 = xs[0].clone()
+        staged(shape, [x0] + xs[1:], [x0] + got[1:])
+        assert torch.equal(x0, got[0])

@@ -596,6 +596,16 @@ class _Emitter:
         raise AssertionError(n)  # expr.Op validated the name
 
 
+# Ops that call libmvec's vector math (through the cl:: helpers or directly).
+_VECTOR_MATH_OPS = frozenset({"exp", "log", "tanh", "sigmoid", "silu", "gelu"})
+
+
+def _calls_vector_math(e) -> bool:
+    if isinstance(e, Op):
+        return e.name in _VECTOR_MATH_OPS or any(_calls_vector_math(a) for a in e.args)
+    return False
+
+
 def _check_expr(e, what):
     if not isinstance(e, (Load, Const, Op)):
         raise ValueError(f"{what} is not an expression (Load, Const or Op): {e!r}")
@@ -833,15 +843,22 @@ class PointwiseKernel(_Kernel):
 
     def _body(self, name):
         ni = len(self.inputs)
-        em = _Emitter(lambda i: f"cl::ld(i{i}[j])")
-        results = [em(e) for e, _ in self.outputs]
         lines = [f"const {_CTYPE[d]}* i{i} = (const {_CTYPE[d]}*)q[{i}];"
                  for i, d in enumerate(self.inputs)]
         lines += [f"{_CTYPE[d]}* o{i} = ({_CTYPE[d]}*)q[{ni + i}];"
                   for i, (_, d) in enumerate(self.outputs)]
-        # All loads and math before any store: an in-place output may be one of the inputs.
-        inner = em.lines + [f"o{i}[j] = cl::cvt<{_CTYPE[d]}>({r});"
-                            for i, (r, (_, d)) in enumerate(zip(results, self.outputs))]
+        bf_in = [i for i, d in enumerate(self.inputs) if d == torch.bfloat16]
+        bf_out = [k for k, (_, d) in enumerate(self.outputs) if d == torch.bfloat16]
+        if (bf_in or bf_out) and any(_calls_vector_math(e) for e, _ in self.outputs):
+            loop = self._staged_loop(bf_in, bf_out)
+        else:
+            em = _Emitter(lambda i: f"cl::ld(i{i}[j])")
+            results = [em(e) for e, _ in self.outputs]
+            # All loads and math before any store: an in-place output may be one of the inputs.
+            inner = em.lines + [f"o{i}[j] = cl::cvt<{_CTYPE[d]}>({r});"
+                                for i, (r, (_, d)) in enumerate(zip(results, self.outputs))]
+            loop = ("#pragma omp simd\n    for (int64_t j = 0; j < n; ++j) {\n"
+                    + "".join(f"      {ln}\n" for ln in inner) + "    }\n")
         return (
             f"\n// {self.describe()}\n"
             f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
@@ -849,10 +866,37 @@ class PointwiseKernel(_Kernel):
             f"  cl::pointwise<{self.ndim}, {ni}, {len(self.outputs)}>(sizes, data, strides, es,\n"
             f"      [](int64_t n, char* const* q) {{\n"
             + "".join(f"    {ln}\n" for ln in lines)
-            + "#pragma omp simd\n    for (int64_t j = 0; j < n; ++j) {\n"
-            + "".join(f"      {ln}\n" for ln in inner)
-            + "    }\n  });\n}\n"
+            + loop
+            + "  });\n}\n"
         )
+
+    def _staged_loop(self, bf_in, bf_out):
+        """The element loop through float buffers, a block at a time: bf16 inputs
+        widened first, the math on floats, bf16 outputs narrowed last. Over bf16
+        data GCC vectorises 32 lanes at a time and the vector-math calls' register
+        spills cost more than the conversions; staged, the math runs 16-wide as
+        in fp32 (silu over 144x56x56 bf16: 239 -> 210 us, fp32 177 us; EPYC
+        Zen 4). The same float operations; only the loops' scalar remainders
+        (libm's exp, not libmvec's) fall on other elements, a last-ulp
+        difference there. A block's inputs are all read before any of its
+        outputs is written, so an output may still be one of the inputs."""
+        em = _Emitter(lambda i: f"s{i}[j]" if i in bf_in else f"cl::ld(i{i}[b + j])")
+        results = [em(e) for e, _ in self.outputs]
+        math = em.lines + [f"r{k}[j] = {r};" if k in bf_out else f"o{k}[b + j] = {r};"
+                           for k, r in enumerate(results)]
+        out = [f"alignas(64) float s{i}[cl::BLOCK];" for i in bf_in]
+        out += [f"alignas(64) float r{k}[cl::BLOCK];" for k in bf_out]
+        out += ["for (int64_t b = 0; b < n; b += cl::BLOCK) {",
+                "  const int64_t m = n - b < cl::BLOCK ? n - b : cl::BLOCK;"]
+        for i in bf_in:
+            out += ["#pragma omp simd", f"  for (int64_t j = 0; j < m; ++j) s{i}[j] = cl::ld(i{i}[b + j]);"]
+        out += ["#pragma omp simd", "  for (int64_t j = 0; j < m; ++j) {"]
+        out += [f"    {ln}" for ln in math] + ["  }"]
+        for k in bf_out:
+            out += ["#pragma omp simd",
+                    f"  for (int64_t j = 0; j < m; ++j) o{k}[b + j] = cl::cvt<cl::bf16>(r{k}[j]);"]
+        out += ["}"]
+        return "".join(("" if ln.startswith("#") else "    ") + ln + "\n" for ln in out)
 
     def describe(self) -> str:
         ins = ",".join(_SHORT[d] for d in self.inputs)
