@@ -94,7 +94,8 @@ class CompiledExport:
                 self._flat.append(None)
                 self._expected.append(node.meta.get("val"))
         self._user_pos = [i for i, t in enumerate(self._flat) if t is None]
-        self.compiled = False  # False: the program runs as ep.module() (a warning said why)
+        # Set when the program runs as ep.module() (a warning said why).
+        self._module: Optional[torch.nn.Module] = None
         reason = _unsupported(self.exported)
         if reason is None:
             example = list(self._flat)
@@ -105,12 +106,14 @@ class CompiledExport:
             with torch.no_grad():
                 self._call = backend.compile_or_eager(
                     self.exported.graph_module, example, options, param_indices=state)
+            # False: the graph runs eagerly (compile_or_eager warned why).
             self.compiled = hasattr(self._call, "cpu_layout_graph")
         else:
             if config.strict():
                 raise backend.CompileError(f"cpu_layout: cannot compile this ExportedProgram: {reason}")
             warnings.warn(f"cpu_layout: running the ExportedProgram as ep.module(): it has {reason}",
                           RuntimeWarning, stacklevel=3)
+            self.compiled = False
             self._module = self.exported.module()
 
     def _state_tensor(self, spec) -> torch.Tensor:
@@ -139,7 +142,7 @@ class CompiledExport:
                                  f"with {want!r}")
 
     def __call__(self, *args, **kwargs):
-        if not self.compiled and hasattr(self, "_module"):
+        if self._module is not None:
             return self._module(*args, **kwargs)
         if _autocast_state() != self._autocast:
             raise RuntimeError(

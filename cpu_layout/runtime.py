@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 import time
 import weakref
-from typing import Optional, Sequence
 
 import torch
 

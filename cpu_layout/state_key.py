@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
+
 import torch
 
 from cpu_layout import ops

@@ -59,8 +59,6 @@ def _segment_kinds(profile: dict, iters: int) -> dict:
     return per
 
 
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="torchvision", choices=("builtin", "torchvision", "timm"))
