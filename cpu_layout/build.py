@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 
 # torch first: it loads its bundled libgomp (soname libgomp.so.1), and our -fopenmp libraries
@@ -199,6 +200,53 @@ def _compile(source, src_path, so_path, flags):
             err = err[:_STDERR_LIMIT] + "\n... (truncated)"
         raise BuildError(f"compiling {src_path} failed:\n{err}", src_path, proc.stderr)
     os.replace(tmp, so_path)
+
+
+class Once:
+    """What `make()` returns, made once per process on first use. `prefetch()`
+    starts making it in a background thread, so that a first compile traces
+    while g++ runs; `get()` makes it or waits for it. A failure is not
+    remembered: `get()` tries again and raises it where the value is needed."""
+
+    _all: "weakref.WeakSet[Once]" = weakref.WeakSet()
+
+    def __init__(self, make, name: str):
+        self._make = make
+        self._name = name
+        self._lock = threading.Lock()
+        self._done = False
+        self._value = None
+        Once._all.add(self)
+
+    @classmethod
+    def _after_fork_in_child(cls):
+        # A child forked while a background build held the lock would wait on it forever.
+        for once in list(cls._all):
+            once._lock = threading.Lock()
+
+    def get(self):
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    self._value = self._make()
+                    self._done = True
+        return self._value
+
+    def prefetch(self) -> None:
+        if self._done or self._lock.locked():
+            return
+
+        def quietly():
+            try:
+                self.get()
+            except Exception:  # noqa: BLE001 - get() raises it again where it is needed
+                pass
+
+        threading.Thread(target=quietly, name=f"cpu_layout {self._name} build", daemon=True).start()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=Once._after_fork_in_child)
 
 
 def load_library(source: str, cdef: str, *, name_hint: str = "k", flags=CXXFLAGS) -> Library:

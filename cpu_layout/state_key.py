@@ -12,43 +12,30 @@ from __future__ import annotations
 
 import operator
 import sys
-import threading
 
 import torch
 
-from cpu_layout import ops
+from cpu_layout import build, ops
 
 _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
 _CDATA = operator.attrgetter("_cdata")  # the TensorImpl's address
 _IS = operator.is_
 
-_native = None  # the built library, False when it cannot be built
-_native_lock = threading.Lock()
-
-
 def native():
     """The state-check library (built on first use, content-hashed cache), or None."""
-    global _native
-    if _native is None:
-        with _native_lock:
-            if _native is None:
-                _native = _build() or False
-    return _native or None
+    return _CHECK.get() or None
 
 
 def prefetch() -> None:
     """Build the library in the background (a first compile traces meanwhile);
     `native()` waits for it."""
-    if _native is not None or _native_lock.locked():
-        return
-    threading.Thread(target=native, name="cpu_layout state check build", daemon=True).start()
+    _CHECK.prefetch()
 
 
 def _build():
     import os
 
-    from cpu_layout import build
     from cpu_layout.codegen.program import csrc
 
     inc = os.path.join(os.path.dirname(torch.__file__), "include")
@@ -67,6 +54,9 @@ def _build():
             print(f"[cpu_layout.state_key] C++ check unavailable, checking in Python: {exc}",
                   file=sys.stderr)
         return None
+
+
+_CHECK = build.Once(lambda: _build() or False, "state check")
 
 
 class StateKey:

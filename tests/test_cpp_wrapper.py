@@ -633,17 +633,20 @@ def test_the_encoders_opcodes_are_the_runtimes():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_child_forked_during_the_runtime_build_can_build_it(monkeypatch):
+@pytest.mark.parametrize("what", ["segment runtime", "state check"])
+def test_a_child_forked_during_a_background_build_can_build_it(what):
+    from cpu_layout import state_key
     from cpu_layout.codegen import program
 
-    with program._runtime_lock:  # as if the background build were running at fork time
+    once = program._RUNTIME if what == "segment runtime" else state_key._CHECK
+    with once._lock:  # as if the background build were running at fork time
         pid = os.fork()
-        if pid == 0:  # the child: the lock must be usable, the runtime loadable
+        if pid == 0:  # the child: the lock must be usable, the library loadable
             code = 1
             try:
-                got = program._runtime_lock.acquire(timeout=5)
-                program._runtime_lock.release()
-                code = 0 if got else 2
+                got = once._lock.acquire(timeout=5)
+                once._lock.release()
+                code = 0 if got and once.get() else 2
             finally:
                 os._exit(code)
     _, status = os.waitpid(pid, 0)

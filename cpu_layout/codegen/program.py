@@ -13,7 +13,6 @@ kernels and ATen's C shim.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Dict, List, Optional
 
 import torch
@@ -57,19 +56,6 @@ void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t 
 # arithmetic and calls, the same on every x86-64 (no -march=native).
 _RUNTIME_FLAGS = ("-O2", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
 
-_runtime = None
-_runtime_lock = threading.Lock()
-
-
-def _after_fork_in_child():
-    # A child forked while the background build held the lock would wait on it forever.
-    global _runtime_lock
-    _runtime_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 def csrc(name: str) -> str:
     """Text of csrc/<name>: the source tree's, or the copy an installed package carries."""
@@ -82,24 +68,27 @@ def csrc(name: str) -> str:
     raise FileNotFoundError(f"cpp_wrapper needs csrc/{name} (install cpu_layout from its source tree)")
 
 
+def _build_runtime() -> build.Library:
+    source = "#include <cstdint>\n" + csrc("cl_api.h") + csrc("cl_wrapper.h") + csrc("segment_vm.cpp")
+    lib = build.load_library(source, _RUNTIME_CDEF, name_hint="segment runtime",
+                             flags=_RUNTIME_FLAGS + build.torch_link_flags())
+    ext, effi = ops.lib, ops.ffi
+
+    def addr(name):
+        return int(effi.cast("uintptr_t", effi.addressof(ext, name)))
+
+    lib.lib.cl_segment_init(addr("cl_conv_forward"), addr("cl_last_error"),
+                            addr("cl_copy_strided"), addr("cl_channel_shuffle"))
+    return lib
+
+
+_RUNTIME = build.Once(_build_runtime, "segment runtime")
+
+
 def runtime() -> build.Library:
     """The segment runtime, built on first use on this machine (content-hashed
     cache: later processes load it) and wired to the extension's oneDNN entry points."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            source = "#include <cstdint>\n" + csrc("cl_api.h") + csrc("cl_wrapper.h") + csrc("segment_vm.cpp")
-            lib = build.load_library(source, _RUNTIME_CDEF, name_hint="segment runtime",
-                                     flags=_RUNTIME_FLAGS + build.torch_link_flags())
-            ext, effi = ops.lib, ops.ffi
-
-            def addr(name):
-                return int(effi.cast("uintptr_t", effi.addressof(ext, name)))
-
-            lib.lib.cl_segment_init(addr("cl_conv_forward"), addr("cl_last_error"),
-                                    addr("cl_copy_strided"), addr("cl_channel_shuffle"))
-            _runtime = lib
-    return _runtime
+    return _RUNTIME.get()
 
 
 def set_profiling(on: bool) -> None:
@@ -122,16 +111,7 @@ def prefetch_runtime() -> None:
     """Start building the runtime in the background when no process built it
     yet: the compiler then runs while torch traces the graph, and `runtime()`
     waits for it (or builds it itself, reporting the error, if this failed)."""
-    if _runtime is not None or _runtime_lock.locked():
-        return
-
-    def build_quietly():
-        try:
-            runtime()
-        except Exception:  # noqa: BLE001 - runtime() raises it again where it is needed
-            pass
-
-    threading.Thread(target=build_quietly, name="cpu_layout runtime build", daemon=True).start()
+    _RUNTIME.prefetch()
 
 
 class Program:
