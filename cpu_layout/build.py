@@ -96,6 +96,11 @@ def toolchain_id() -> str:
     return _toolchain_id
 
 
+def native_isa(feature: str) -> bool:
+    """Whether -march=native enables `feature` (e.g. "avx512bf16") for the code built here."""
+    return f"-m{feature} " in toolchain_id().split("\n", 1)[-1] + " "
+
+
 def cache_key(source: str, flags=CXXFLAGS) -> str:
     h = hashlib.sha256()
     for part in (f"format={FORMAT_VERSION}", toolchain_id(), " ".join(flags), source):

@@ -205,16 +205,30 @@ def test_op_bfloat16(op_results, name):
     assert worst <= (1 if name in LIBM else 0), f"{name}: {worst} bf16 ulp from eager"
 
 
-def test_bf16_store_rounds_to_nearest_even_and_keeps_nan():
-    k = PointwiseKernel([f32], [(X, bf16)], 1).compile()
-    # Halfway cases between bf16 neighbours, both parities, plus overflow and NaN payloads.
+@pytest.mark.parametrize("native", [True, False], ids=["native_isa", "emulated"])
+def test_bf16_store_rounds_to_nearest_even_and_keeps_nan(native, monkeypatch):
+    """As eager rounds: to nearest even, denormals kept, NaN stays NaN; whether
+    the store is the emulated rounding or (AVX512-BF16, `cl::narrow`) the
+    instruction, which flushes denormals, so a vector holding one is emulated."""
+    from cpu_layout import build
+
+    if native and not build.native_isa("avx512bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setattr(build, "native_isa", lambda f, real=build.native_isa: native and real(f))
+    k = PointwiseKernel([f32], [(X, bf16)], 1)
+    assert ("cl::narrow" in k._body("k")) == native
+    k = k.compile()
+    # Halfway cases between bf16 neighbours, both parities, plus overflow and NaN payloads,
+    # over two vectors of 16 (a denormal in one) and a remainder.
     vals = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895e38, 1e-40,
-                         float("nan"), -float("nan"), float("inf")])
+                         float("nan"), -float("nan"), float("inf"), -1e-39, 0.0, -0.0])
+    vals = torch.cat([vals, torch.randn(40), vals[:4]])
     out = torch.empty(len(vals), dtype=bf16)
     k((len(vals),), [vals], [out])
     ref = vals.to(bf16)
     assert torch.equal(out.isnan(), ref.isnan())
     assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+    assert torch.equal(out.view(torch.int16)[~ref.isnan()], ref.view(torch.int16)[~ref.isnan()])  # -0.0
 
 
 # ---------------------------------------------------------------- layouts and broadcasting
@@ -625,13 +639,16 @@ STAGED = [  # (input dtypes, outputs): each has vector math and a bf16 operand
     ([bf16], [(op("silu", X), bf16)]),
     ([bf16, f32], [(op("mul", op("sigmoid", Y), X), bf16), (op("exp", X), f32)]),
     ([f32], [(op("gelu", X, params=("tanh",)), bf16)]),
+    # no vector math: staged only where the bf16 store is one instruction (cl::narrow)
+    ([bf16, f32, f32], [(op("relu", op("add", op("mul", X, Y), Z)), bf16), (op("add", X, Z), f32)]),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(STAGED)))
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
 def test_staged_bf16_math_equals_the_direct_loop(case, layout, monkeypatch):
-    """Kernels with vector math over bf16 run a block at a time through float
+    """Kernels with vector math over bf16, or a bf16 output where AVX512-BF16
+    rounds in one instruction, run a block at a time through float
     buffers (faster); the values are the direct loop's over several blocks and
     a remainder, in any layout, and in place: the same float operations, except
     that the loops' scalar remainders (libm's, not libmvec's) fall on other
@@ -639,9 +656,13 @@ def test_staged_bf16_math_equals_the_direct_loop(case, layout, monkeypatch):
     from cpu_layout.codegen import cpp_kernels
 
     ins, outs = STAGED[case]
+    if not any(cpp_kernels._calls_vector_math(e) for e, _ in outs) and not cpp_kernels.build.native_isa(
+            "avx512bf16"):
+        pytest.skip("staged only with AVX512-BF16")
     staged = PointwiseKernel(ins, outs, 4)
     assert "[cl::BLOCK]" in staged._body("k"), "the staged loop is generated"
     monkeypatch.setattr(cpp_kernels, "_calls_vector_math", lambda e: False)
+    monkeypatch.setattr(cpp_kernels.build, "native_isa", lambda feature: False)
     direct = PointwiseKernel(ins, outs, 4)
     assert "[cl::BLOCK]" not in direct._body("k")
     direct = direct.compile()
