@@ -320,12 +320,14 @@ class ExportedCompiled(Compiled):
     def _compile(self, x: torch.Tensor) -> None:
         from cpu_layout.exported import compile_exported
 
-        opts = dict(self.options)
-        if self.wrapper == "cpp":
-            opts["cpp_wrapper"] = True
         ep = torch.export.export(self.model, (x,))
-        self._compiled = compile_exported(ep, opts)
+        self._compiled = compile_exported(ep, _cpu_layout_options(self.options, self.wrapper))
         self.compiles += 1
+
+
+def _cpu_layout_options(options: Optional[dict], wrapper: str) -> dict:
+    """The backend's options for a variant: the caller's, plus the C++ wrapper when asked."""
+    return {**(options or {}), **({"cpp_wrapper": True} if wrapper == "cpp" else {})}
 
 
 def _exported(model, dtype, dynamic, wrapper, channels_last, options) -> ExportedCompiled:
@@ -340,9 +342,7 @@ def _backend_callable(c: Compiled, backend: str, wrapper: str, options: Optional
     """The compiler Dynamo calls: counts compiles, wraps the result to count runs."""
     if backend == "cpu_layout":
         inner_backend = torch._dynamo.lookup_backend("cpu_layout")  # the entry point
-        opts = dict(options or {})
-        if wrapper == "cpp":
-            opts["cpp_wrapper"] = True
+        opts = _cpu_layout_options(options, wrapper)
 
         def inner(gm, example_inputs):
             if opts:
