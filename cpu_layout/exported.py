@@ -117,12 +117,10 @@ class CompiledExport:
             self._module = self.exported.module()
 
     def _state_tensor(self, spec) -> torch.Tensor:
+        """Parameters and persistent buffers are in the state dict; constants and
+        non-persistent buffers (never in a state dict) in `constants`."""
         ep = self.exported
-        if spec.kind == InputKind.BUFFER and spec.persistent is False:
-            return ep.constants[spec.target]
-        if spec.target in ep.state_dict:
-            return ep.state_dict[spec.target]
-        return ep.constants[spec.target]
+        return ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
 
     def _check(self, flat_args) -> None:
         for i, (got, want) in enumerate(zip(flat_args, self._expected)):

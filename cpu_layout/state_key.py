@@ -22,9 +22,10 @@ _DATA_PTR = torch.Tensor.data_ptr
 _CDATA = operator.attrgetter("_cdata")  # the TensorImpl's address
 _IS = operator.is_
 
+
 def native():
     """The state-check library (built on first use, content-hashed cache), or None."""
-    return _CHECK.get() or None
+    return _CHECK.get()
 
 
 def prefetch() -> None:
@@ -56,7 +57,7 @@ def _build():
         return None
 
 
-_CHECK = build.Once(lambda: _build() or False, "state check")
+_CHECK = build.Once(_build, "state check")  # None, remembered, when it cannot be built
 
 
 class StateKey:
