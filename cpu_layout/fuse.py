@@ -37,19 +37,9 @@ UNFUSED_ACTIVATIONS = ("silu",)
 def _activation(node: ir.Pointwise, unfused=()):
     """The cpu_layout.ops post-op for an activation node, or None (also for the
     activations in `unfused`)."""
-    op, p = node.op, node.params
-    if op in unfused:
+    if node.op in unfused or node.op not in E.OPS or E.OPS[node.op].post_op is None:
         return None
-    if op in ("relu", "silu", "hardswish", "sigmoid", "tanh"):
-        return op
-    if op == "gelu":
-        return "gelu_tanh" if p and p[0] == "tanh" else "gelu"
-    if op == "leaky_relu":
-        return ("leaky_relu", float(p[0]))
-    if op == "clamp":
-        lo, hi = p
-        return ("clamp", None if lo is None else float(lo), None if hi is None else float(hi))
-    return None
+    return E.OPS[node.op].post_op(node.params)
 
 
 def _residual(node: ir.Pointwise, conv_out: ir.Buffer):
@@ -134,7 +124,7 @@ def _expr(node: ir.Pointwise, env):
     op, p = node.op, node.params
     if op == "to":
         return args[0]  # the kernel loads and stores in each buffer's own dtype
-    if op not in E.OPS or E.OPS[op][0] != len(args):
+    if op not in E.OPS or E.OPS[op].arity != len(args):
         return None
     if op == "gelu":
         return E.Op("gelu", tuple(args), (p[0] if p else "none",))

@@ -1,10 +1,11 @@
 """Lowering: an inference ATen FX graph (from aot_autograd) to cpu_layout IR.
 
 Convolutions become `ir.Conv` (with inference batch-norm folded in when its
-parameters are module state), element-wise ops become `ir.Pointwise`,
-layout-agnostic ATen ops (pooling, upsampling, cat) `ir.Aten` with rule
-FOLLOW, and everything else an `ir.Aten` with rule EAGER: it runs the ATen op
-on inputs laid out as eager had them, so its result is eager's.
+parameters are module state), element-wise ops become `ir.Pointwise`, and
+other ATen calls an `ir.Aten` with the rule their op_table entry gives
+(layout-agnostic ones such as pooling, upsampling and cat FOLLOW); an op
+without an entry gets rule EAGER: it runs the ATen op on inputs laid out as
+eager had them, so its result is eager's.
 """
 from __future__ import annotations
 
@@ -15,78 +16,17 @@ import torch
 from torch.fx import Node as FxNode
 
 from cpu_layout import ir, ops, runtime
+from cpu_layout import op_table as T
+from cpu_layout.op_table import permutation_of
 from cpu_layout import layout as L
+from cpu_layout.codegen import expr as E
 
 aten = torch.ops.aten
 
-# aten overload -> (pointwise op name, how to read its arguments)
-_UNARY = {
-    aten.relu.default: "relu",
-    aten.sigmoid.default: "sigmoid",
-    aten.tanh.default: "tanh",
-    aten.silu.default: "silu",
-    aten.hardswish.default: "hardswish",
-    aten.hardsigmoid.default: "hardsigmoid",
-    aten.exp.default: "exp",
-    aten.log.default: "log",
-    aten.sqrt.default: "sqrt",
-    aten.rsqrt.default: "rsqrt",
-    aten.reciprocal.default: "reciprocal",
-    aten.neg.default: "neg",
-    aten.abs.default: "abs",
-}
-_BINARY = {
-    aten.add.Tensor: "add",
-    aten.sub.Tensor: "sub",
-    aten.mul.Tensor: "mul",
-    aten.div.Tensor: "div",
-    aten.maximum.default: "maximum",
-    aten.minimum.default: "minimum",
-    aten.add.Scalar: "add",
-    aten.sub.Scalar: "sub",
-    aten.mul.Scalar: "mul",
-    aten.div.Scalar: "div",
-}
-
-# Ops whose output takes the memory format of their (first) tensor input and
-# that accept either format: safe to run on channels-last data. The value is
-# how the planner models them (a pool's op name, or None: element-wise).
-FOLLOW_OPS = {
-    aten.max_pool2d.default: "max",
-    aten.avg_pool2d.default: "avg",
-    aten.upsample_nearest2d.default: "avg",
-    aten.upsample_nearest2d.vec: "avg",
-    aten.upsample_bilinear2d.default: "avg",
-    aten.upsample_bilinear2d.vec: "avg",
-    aten.constant_pad_nd.default: "avg",
-    aten._native_batch_norm_legit_no_training.default: None,
-    aten.cat.default: None,
-    aten.clone.default: None,
-}
+# aten overload -> the element-wise op (codegen.expr.OPS) it lowers to as it is.
+_ELEMENTWISE = {t: name for name, op in E.OPS.items() for t in op.aten}
 
 _FLOAT = (torch.float32, torch.bfloat16)
-
-# View ops (rule VIEW): they alias their input in whatever layout the plan gave
-# it, when memory order allows.
-VIEW_TARGETS = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default,
-                aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim)
-# Ops whose result is contiguous whatever their inputs' strides (ATen's
-# kernels allocate it so) and whose values do not depend on them: rule DENSE.
-DENSE_TARGETS = (aten.addmm.default, aten.mm.default, aten.bmm.default)
-
-
-def permutation_of(target, args, rank: int):
-    """The dims a permute-like view op reads its input in (None for a reshape)."""
-    if target is aten.permute.default:
-        return tuple(d % rank for d in args[1])
-    if target is aten.t.default:
-        return (1, 0) if rank == 2 else tuple(range(rank))
-    if target is aten.transpose.int:
-        dims = list(range(rank))
-        a, b = args[1] % rank, args[2] % rank
-        dims[a], dims[b] = dims[b], dims[a]
-        return tuple(dims)
-    return None
 
 # Deterministic tensor factories: with static arguments their result is a
 # constant of the graph (e.g. the index ramps of a decomposed upsample).
@@ -483,9 +423,10 @@ class Lowering:
             return self._batch_norm(n)
         if t is aten.native_layer_norm.default:
             return self._layer_norm(n)
-        if t in VIEW_TARGETS:
+        rule = T.rule_of(t)
+        if rule == ir.VIEW:
             return self._aten(n, ir.VIEW)
-        if t in DENSE_TARGETS:
+        if rule == ir.DENSE:
             return self._dense(n)
         if t is operator.getitem:
             src = self.env[n.args[0]]
@@ -494,14 +435,11 @@ class Lowering:
             out = self._buffer_for(n)
             self.g.add(ir.Getitem(n.name, [src], out, index=n.args[1]))
             return out
-        if t in _UNARY:
-            return self._pointwise(n, _UNARY[t], [self._arg(n.args[0])])
-        if t in _BINARY:
-            a, b = self._arg(n.args[0]), self._arg(n.args[1])
-            alpha = n.kwargs.get("alpha", 1)
-            if alpha != 1:
+        if t in _ELEMENTWISE:
+            name = _ELEMENTWISE[t]
+            if n.kwargs.get("alpha", 1) != 1:
                 return self._aten(n, ir.EAGER)
-            return self._pointwise(n, _BINARY[t], [a, b])
+            return self._pointwise(n, name, [self._arg(a) for a in n.args[:E.OPS[name].arity]])
         if t is aten.gelu.default:
             approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
             return self._pointwise(n, "gelu", [self._arg(n.args[0])], params=(approx,))
@@ -526,7 +464,7 @@ class Lowering:
                 out.size, out.dtype, out.eager_stride = tuple(v.shape), v.dtype, tuple(v.stride())
                 return _Picked({0: out})
             return self._aten(n, ir.EAGER)
-        if t in FOLLOW_OPS:
+        if rule == ir.FOLLOW:
             fmt = n.kwargs.get("memory_format")
             if fmt is not None and fmt is not torch.preserve_format:
                 return self._aten(n, ir.EAGER)  # an explicit format is eager's choice, not ours

@@ -607,7 +607,7 @@ def impl_name(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, p
     """The oneDNN implementation that runs this convolution (e.g. 'brgconv:avx2')."""
     nsp = x.dim() - 2
     if nsp not in (1, 2, 3) or weight.dim() != x.dim():
-        raise ValueError(f"impl_name needs a batched 3/4/5-d input and a weight of the same rank")
+        raise ValueError("impl_name needs a batched 3/4/5-d input and a weight of the same rank")
     prob, _ = _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout,
                        impl_rank)
     out = ffi.new("char[]", 256)

@@ -18,6 +18,7 @@ import torch
 
 from cpu_layout import layout as L
 from cpu_layout import ops
+from cpu_layout.op_table import RESHAPE_OPS
 from cpu_layout.state_key import StateKey
 
 
@@ -263,10 +264,8 @@ class ViewCall:
     copy `reshape` makes; then in the planned order (a no-op when the alias
     already is, as the plan counts it)."""
 
-    _RESHAPE = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
     def __init__(self, target, order):
-        self.reshape = target in self._RESHAPE  # the only view op that may copy
+        self.reshape = target in RESHAPE_OPS  # the only view op that may copy
         self.target = torch.ops.aten.reshape.default if self.reshape else target
         self.order = order if order in L.LABELS or isinstance(order, tuple) else None
 

@@ -52,7 +52,7 @@ def view_layout(n: ir.Node, chosen=None):
     input's layout (a label when one matches, else the explicit order), or
     contiguous when memory order allows no alias (reshape copies). A view of
     a buffer with eager's strides has eager's strides."""
-    from cpu_layout.lower import permutation_of
+    from cpu_layout.op_table import permutation_of
 
     if chosen is not None:
         return chosen

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpu_layout import benchmark, ir, models, ops, runtime
+from cpu_layout import benchmark, ir, models, op_table, ops, runtime
 from cpu_layout.codegen import Const, Load, Op, cpp_kernels, cpp_wrapper
 
 pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
@@ -255,22 +255,22 @@ def test_split_piece_and_clone_order():
     def split(target, how, **kw):
         return ir.Aten("split", [x], tup, target=target, args=(x, how, *kw.values()), multi=True)
 
-    assert [cpp_wrapper.split_piece(split(aten.split.Tensor, 4, dim=1), i) for i in range(3)] == [
+    assert [op_table.split_piece(split(aten.split.Tensor, 4, dim=1), i) for i in range(3)] == [
         (1, 0, 4), (1, 4, 8), (1, 8, 12)]  # the last piece is clamped at run time
-    assert [cpp_wrapper.split_piece(split(aten.split_with_sizes.default, [7, 3], dim=-2), i)
+    assert [op_table.split_piece(split(aten.split_with_sizes.default, [7, 3], dim=-2), i)
             for i in range(2)] == [(1, 0, 7), (1, 7, 10)]
-    assert cpp_wrapper.split_piece(split(aten.split_with_sizes.default, [7, 2], dim=1), 0) is None
+    assert op_table.split_piece(split(aten.split_with_sizes.default, [7, 2], dim=1), 0) is None
     y = g.new_buffer(size=(2, 10, 3), dtype=torch.float32, eager_stride=(30, 1, 10))
 
     def clone(fmt, layout):
         y.layout = layout
         return ir.Aten("clone", [x], y, target=aten.clone.default, args=(x,), kwargs={"memory_format": fmt})
 
-    assert cpp_wrapper.clone_order(clone(torch.preserve_format, ir.EAGER)) is None  # eager's own strides
+    assert op_table.clone_order(clone(torch.preserve_format, ir.EAGER)) is None  # eager's own strides
     assert not cpp_wrapper.runs_in_cpp(clone(torch.preserve_format, ir.EAGER))
-    assert cpp_wrapper.clone_order(clone(torch.preserve_format, "channels_last")) == "channels_last"
-    assert cpp_wrapper.clone_order(clone(torch.contiguous_format, ir.EAGER)) == "contiguous"
-    assert cpp_wrapper.clone_order(clone(torch.channels_last, ir.EAGER)) is None  # not 4-D
+    assert op_table.clone_order(clone(torch.preserve_format, "channels_last")) == "channels_last"
+    assert op_table.clone_order(clone(torch.contiguous_format, ir.EAGER)) == "contiguous"
+    assert op_table.clone_order(clone(torch.channels_last, ir.EAGER)) is None  # not 4-D
 
 
 def test_rule_keeps_python_only_ops_out_of_segments():
@@ -674,3 +674,52 @@ def test_the_runtime_times_each_instruction_it_runs_only_while_asked():
     assert all(t >= 0 for t, _ in prof.values())
     assert prof["run"][0] >= sum(t for op, (t, _) in prof.items() if op != "run")
     assert program.take_profile() == {}, "taking the counters zeroes them"
+
+
+def test_op_table_entries_are_whole():
+    """Every ATen op a segment admits has instructions, every rule is a rule
+    the planner and wrappers know, and every element-wise op's post-op is one
+    the conv path has."""
+    from cpu_layout.codegen import expr
+
+    for target, spec in op_table.OPS.items():
+        assert spec.rule in (ir.FOLLOW, ir.VIEW, ir.DENSE, ir.EAGER), target
+        assert (spec.in_cpp is None) == (spec.encode is None), target
+        assert spec.priced in (None, "max", "avg", "concat"), target
+    seen = set()
+    for name, op in expr.OPS.items():
+        assert not seen & set(op.aten), f"{name}: an ATen op lowered to two element-wise ops"
+        seen |= set(op.aten)
+        args = [f"in{i}" for i in range(op.arity)]
+        params = {"pow": (2.5,)}.get(name, ())  # pow has no default exponent
+        defaults = expr.Op(name, tuple(expr.Load(i) for i in range(op.arity)), params).params
+        code = op.cpp.format(*args) if isinstance(op.cpp, str) else op.cpp(args, defaults)
+        assert all(a in code for a in args), (name, code)
+        if op.post_op is not None:
+            po = op.post_op(defaults)
+            assert (po if isinstance(po, str) else po[0]) in ops.POST_OPS, name
+
+
+def test_squeeze_is_a_view_in_python_between_segments(compiled_graphs):
+    """squeeze.dim is a view in the plan but has no segment instruction: it
+    runs as a Python node between two segments, values and strides eager's."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x).mean(dim=(2, 3), keepdim=True)  # [N, 8, 1, 1]
+            return torch.relu(y.squeeze(3))
+
+    m = M().eval()
+    x = torch.randn(2, 4, 9, 9)
+    with torch.no_grad():
+        ref = m(x)
+        out = compile_cpp(m)(x)
+    torch.testing.assert_close(out, ref)
+    assert out.shape == ref.shape and out.stride() == ref.stride()
+    nodes = compiled_graphs[0].cpu_layout_graph.nodes
+    squeeze = [n for n in nodes if isinstance(n, ir.Aten) and n.target is torch.ops.aten.squeeze.dim]
+    assert len(squeeze) == 1 and squeeze[0].rule == ir.VIEW
+    assert sum(isinstance(n, ir.Segment) for n in nodes) == 2

@@ -28,7 +28,7 @@ import os
 import torch
 
 from cpu_layout import build
-from cpu_layout.codegen.expr import Const, Load, Op, loads
+from cpu_layout.codegen.expr import OPS, Const, Load, Op, float_literal, loads
 
 PARALLEL_MIN_NUMEL = 16384  # below this the OpenMP fork/join costs more than it saves
 _MAX_NDIM = 16
@@ -542,16 +542,6 @@ def kernel_flags() -> tuple:
     return build.CXXFLAGS + _simd_math()[1]
 
 
-def float_literal(v: float) -> str:
-    """A C++ float literal for any Python float, infinities and NaN included."""
-    v = float(v)
-    if v != v:
-        return '__builtin_nanf("")'
-    if v in (float("inf"), float("-inf")):
-        return "__builtin_inff()" if v > 0 else "(-__builtin_inff())"
-    return f"({v.hex()}f)"
-
-
 class _Emitter:
     """Emits an expression as straight-line C++ with common subexpressions shared."""
 
@@ -576,57 +566,13 @@ class _Emitter:
 
     @staticmethod
     def _op(e: Op, a):
-        n, p = e.name, e.params
-        binary = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-        if n in binary:
-            return f"{a[0]} {binary[n]} {a[1]}"
-        cmp = {"gt": ">", "lt": "<", "ge": ">=", "le": "<=", "eq": "=="}
-        if n in cmp:
-            return f"({a[0]} {cmp[n]} {a[1]}) ? 1.f : 0.f"
-        simple = {"exp": "std::exp", "log": "std::log", "sqrt": "std::sqrt", "abs": "std::fabs",
-                  "tanh": "std::tanh", "sigmoid": "cl::sigmoid", "silu": "cl::silu",
-                  "hardswish": "cl::hardswish", "hardsigmoid": "cl::hardsigmoid",
-                  "maximum": "cl::max_", "minimum": "cl::min_"}
-        if n in simple:
-            return f"{simple[n]}({', '.join(a)})"
-        x = a[0]
-        if n == "neg":
-            return f"-{x}"
-        if n == "rsqrt":
-            return f"1.f / std::sqrt({x})"
-        if n == "reciprocal":
-            return f"1.f / {x}"
-        if n == "relu":
-            return f"cl::max_({x}, 0.f)"
-        if n == "relu6":
-            return f"cl::min_(cl::max_({x}, 0.f), 6.f)"
-        if n == "leaky_relu":
-            return f"{x} > 0.f ? {x} : {x} * {float_literal(p[0])}"
-        if n == "gelu":
-            return f"cl::gelu{'_tanh' if p[0] == 'tanh' else ''}({x})"
-        if n == "where":
-            return f"({x} != 0.f) ? {a[1]} : {a[2]}"
-        if n == "clamp":
-            if p[0] is not None:
-                x = f"cl::max_({x}, {float_literal(p[0])})"
-            if p[1] is not None:
-                x = f"cl::min_({x}, {float_literal(p[1])})"
-            return x
-        if n == "pow":  # torch's special cases for scalar exponents
-            special = {2.0: f"{x} * {x}", 3.0: f"{x} * {x} * {x}", 0.5: f"std::sqrt({x})",
-                       -0.5: f"1.f / std::sqrt({x})", -1.0: f"1.f / {x}",
-                       -2.0: f"1.f / ({x} * {x})", 1.0: x, 0.0: "1.f"}
-            return special.get(p[0], f"std::pow({x}, {float_literal(p[0])})")
-        raise AssertionError(n)  # expr.Op validated the name
-
-
-# Ops that call libmvec's vector math (through the cl:: helpers or directly).
-_VECTOR_MATH_OPS = frozenset({"exp", "log", "tanh", "sigmoid", "silu", "gelu"})
+        cpp = OPS[e.name].cpp  # expr.Op validated the name
+        return cpp.format(*a) if isinstance(cpp, str) else cpp(a, e.params)
 
 
 def _calls_vector_math(e) -> bool:
     if isinstance(e, Op):
-        return e.name in _VECTOR_MATH_OPS or any(_calls_vector_math(a) for a in e.args)
+        return OPS[e.name].vector_math or any(_calls_vector_math(a) for a in e.args)
     return False
 
 

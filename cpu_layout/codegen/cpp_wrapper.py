@@ -29,37 +29,21 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from cpu_layout import config, ir
-from cpu_layout.lower import permutation_of
-from cpu_layout.schedule import _pair, pool_window
 from cpu_layout import layout as L
+from cpu_layout import op_table as T
 from cpu_layout import ops, runtime
 from cpu_layout.codegen import program as P
 from cpu_layout.codegen import sizes as S
 
 aten = torch.ops.aten
 
-VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
-            aten.transpose.int, aten.unsqueeze.default)
-# ATen ops a segment runs through libtorch's C shim (aoti_torch_cpu_*).
-SHIM_OPS = (aten.max_pool2d.default, aten.avg_pool2d.default, aten.cat.default, aten.addmm.default,
-            aten.mm.default, aten._unsafe_index.Tensor, aten.index.Tensor)
-_INDEX_OPS = (aten._unsafe_index.Tensor, aten.index.Tensor)
-# ATen ops the shim lacks that csrc/cl_wrapper.h implements itself.
-OWN_OPS = (aten.upsample_nearest2d.default, aten.as_strided.default, ops.channel_shuffle)
-# Splits run as views (clw::narrow), one per Getitem of the result.
-SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
+
 # ---- which nodes run in C++ ------------------------------------------------------
-
-def _static(v) -> bool:
-    if isinstance(v, (list, tuple)):
-        return all(_static(x) for x in v)
-    return v is None or type(v) in (int, float, bool)
-
 
 def weight_format(b: ir.Buffer) -> Optional[int]:
     """oneDNN's w_cl flag for a constant weight in its eager strides, None if neither dense form."""
@@ -74,9 +58,9 @@ def runs_in_cpp(n: ir.Node) -> bool:
     """THE rule: a node runs inside a C++ segment when it is
     - a convolution on constant float weights (the extension's oneDNN path),
     - a fused element-wise kernel or a reduction (generated code),
-    - an ATen op libtorch's C shim exports (SHIM_OPS) or csrc/cl_wrapper.h
-      implements (OWN_OPS) with float tensors and static arguments, or a view
-      whose sizes print as C++ (VIEW_OPS).
+    - an ATen call whose entry in op_table.OPS has a C++ form and admits it
+      (libtorch's C shim or csrc/cl_wrapper.h; float tensors, static
+      arguments, sizes that print as C++).
     Everything else (other ATen ops, symbolic scalar arithmetic, ops on
     integer tensors) is a Python node between segments."""
     if isinstance(n, ir.Conv):
@@ -90,94 +74,10 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return P.float_tensor(n.inputs[0])
     if isinstance(n, ir.LayerNorm):
         return all(P.float_tensor(b) for b in n.inputs)
-    if isinstance(n, ir.Getitem):
+    if isinstance(n, ir.Getitem):  # a piece of a split a segment runs
         src = n.inputs[0].producer
-        return isinstance(src, ir.Aten) and src.target in SPLIT_OPS and runs_in_cpp(src)
-    if isinstance(n, ir.Aten) and n.target in SPLIT_OPS:
-        return (P.float_tensor(n.inputs[0]) and split_piece(n, 0) is not None
-                and all(isinstance(u, ir.Getitem) for u in n.out.users))
-    if isinstance(n, ir.Aten) and n.target is aten.slice.Tensor:
-        return P.float_tensor(n.inputs[0]) and P.float_tensor(n.out) and slice_range(n) is not None
-    if isinstance(n, ir.Aten) and n.target is aten.clone.default:
-        return (set(n.kwargs) <= {"memory_format"} and len(n.args) == 1 and P.float_tensor(n.inputs[0])
-                and P.float_tensor(n.out) and clone_order(n) is not None)
-    if not isinstance(n, ir.Aten) or n.multi or not P.float_tensor(n.out):
-        return False
-    if n.target in _INDEX_OPS:  # x[..., idx, idx]: float data, integer index tensors
-        idx = n.args[1] if len(n.args) > 1 else None
-        return (not n.kwargs and P.float_tensor(n.args[0]) and isinstance(idx, (list, tuple))
-                and all(i is None or (isinstance(i, ir.Buffer) and i.dtype == torch.int64) for i in idx))
-    if not all(P.float_tensor(b) for b in n.inputs if b.is_tensor):
-        return False
-    if n.target is aten.as_strided.default:  # static sizes, strides and offset
-        return not n.kwargs and 3 <= len(n.args) <= 4 and _static(n.args[1:])
-    if n.target is ops.channel_shuffle:  # csrc/shuffle.cpp, through the extension
-        return not n.kwargs and len(n.args) == 4 and _static(n.args[1:]) and 3 <= n.out.rank <= 5
-    if n.target is aten.upsample_nearest2d.default:  # output size given, no scales
-        return (not n.kwargs and len(n.args) == 2 and n.inputs[0].rank == 4 and _static(n.args[1])
-                and len(n.args[1]) == 2)
-    if n.target in VIEW_OPS:
-        try:
-            [S.rpn(s, lambda sym: 0) for s in n.out.size]
-        except NotImplementedError:
-            return False
-        return n.target in (aten.view.default, aten._unsafe_view.default) or _static(n.args[1:])
-    if n.target in SHIM_OPS:
-        if n.kwargs:
-            return False
-        if n.target is aten.cat.default:
-            return _static(n.args[1:]) and all(isinstance(t, ir.Buffer) for t in n.args[0])
-        if n.target is aten.addmm.default:
-            return _static(n.args[3:]) and n.inputs[0].rank in (1, 2)
-        return _static(n.args[1:])
-    return False
-
-
-def split_piece(n: ir.Aten, i: int):
-    """(dim, start, end) of piece `i` of a split with static sizes along a
-    static dim, else None: a step-1 slice (the last piece of an uneven
-    split.Tensor is clamped to the size, as ATen's is)."""
-    x = n.args[0]
-    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-    if set(n.kwargs) - {"dim"} or type(dim) is not int or not x.rank:
-        return None
-    how = n.args[1]
-    if n.target is aten.split.Tensor:
-        if type(how) is not int or how <= 0:
-            return None
-        return dim % x.rank, i * how, (i + 1) * how
-    if not _static(how) or not how or (type(x.size[dim]) is int and sum(how) != x.size[dim]):
-        return None
-    return dim % x.rank, sum(how[:i]), sum(how[:i + 1])
-
-
-def slice_range(n: ir.Aten):
-    """(dim, start, end) of a step-1 slice with static bounds (end None: to the end), else None."""
-    x = n.args[0]
-    dim, start, end, step = (list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1:])[:4]
-    if n.kwargs or step != 1 or not _static([dim, start, end]) or not x.rank:
-        return None
-    return dim % x.rank, start or 0, end
-
-
-def own_cat(n: ir.Aten) -> bool:
-    """Whether csrc's cat_into runs this cat: parts of the result's rank and
-    dtype (no promotion, no skipped empty 1-D parts), result in a named order."""
-    return (n.out.layout in L.LABELS and n.out.rank > 0
-            and all(b.rank == n.out.rank and b.dtype == n.out.dtype for b in n.args[0]))
-
-
-def clone_order(n: ir.Aten) -> Optional[str]:
-    """The named order a clone's result is dense in: the one an explicit memory
-    format names (ATen's strides for it), else its planned layout, else None."""
-    fmt = n.kwargs.get("memory_format", torch.preserve_format)
-    if fmt is torch.contiguous_format:
-        return L.CONTIGUOUS
-    if (fmt is torch.channels_last and n.out.rank == 4) or (fmt is torch.channels_last_3d and n.out.rank == 5):
-        return L.CHANNELS_LAST
-    if fmt is torch.preserve_format and n.out.layout in L.LABELS:
-        return n.out.layout
-    return None
+        return isinstance(src, ir.Aten) and src.target in T.SPLIT_OPS and runs_in_cpp(src)
+    return isinstance(n, ir.Aten) and T.runs_in_cpp(n)
 
 
 # ---- IR rewriting ------------------------------------------------------------------
@@ -249,7 +149,7 @@ def _encode_segment(seg: ir.Segment, kernels, outs: List[ir.Buffer], consts: Lis
     # Symbols the views' sizes use, read from the inputs that define them.
     syms = set()
     for m in seg.members:
-        if isinstance(m, ir.Aten) and m.target in (aten.view.default, aten._unsafe_view.default):
+        if isinstance(m, ir.Aten) and m.target in T.RESHAPE_OPS:
             for s in m.out.size:
                 syms |= S.free_symbols(s)
     slots = {}
@@ -291,36 +191,9 @@ def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:
     elif isinstance(m, ir.LayerNorm):
         em.layer_norm(m)
     elif isinstance(m, ir.Getitem):
-        em.split_piece(m, *split_piece(m.inputs[0].producer, m.index))
-    elif m.target in SPLIT_OPS:
-        em.split(m)
-    elif m.target is aten.clone.default:
-        em.clone(m, clone_order(m))
-    elif m.target is ops.channel_shuffle:
-        em.channel_shuffle(m)
-    elif m.target is aten.slice.Tensor:
-        em.slice(m, *slice_range(m))
-    elif m.target in VIEW_OPS:
-        em.view(m, slots.__getitem__)
-    elif m in em.kernels:
-        em.pool_kernel(m)
-    elif m.target is aten.max_pool2d.default:
-        em.max_pool(m)
-    elif m.target is aten.avg_pool2d.default:
-        em.avg_pool(m)
-    elif m.target is aten.cat.default:
-        em.cat(m, own_cat(m))
-    elif m.target is aten.as_strided.default:
-        em.as_strided(m)
-    elif m.target is aten.upsample_nearest2d.default:
-        em.upsample(m)
-    elif m.target in _INDEX_OPS:
-        em.index(m)
-    elif m.target in (aten.mm.default, aten.addmm.default):
-        em.matmul(m)
-    else:  # runs_in_cpp admitted it, so this is a bug here
-        raise NotImplementedError(f"{m.name}: no segment instruction for {m.target}")
-
+        em.split_piece(m, *T.split_piece(m.inputs[0].producer, m.index))
+    else:
+        T.encode(em, m, slots.__getitem__)
 
 def _symbol_sources(g: ir.Graph) -> Dict:
     """symbol -> (graph Input tensor, dim) or (symbolic-int Input, None): where its value is read."""
@@ -343,13 +216,13 @@ def _symbol_sources(g: ir.Graph) -> Dict:
 def _prepare(g: ir.Graph) -> None:
     _hoist_batch_norm(g)
     # A split's pieces right after it, so they share its segment (the tuple is never a handle).
-    for n in [n for n in g.nodes if isinstance(n, ir.Aten) and n.target in SPLIT_OPS and runs_in_cpp(n)]:
+    for n in [n for n in g.nodes if isinstance(n, ir.Aten) and n.target in T.SPLIT_OPS and runs_in_cpp(n)]:
         items = [u for u in g.nodes if u in n.out.users]
         rest = [m for m in g.nodes if m not in items]
         pos = rest.index(n) + 1
         g.nodes = rest[:pos] + items + rest[pos:]
     for n in g.nodes:
-        if isinstance(n, ir.Aten) and n.target in VIEW_OPS and runs_in_cpp(n):
+        if isinstance(n, ir.Aten) and n.rule == ir.VIEW and runs_in_cpp(n):
             # Its sizes come from the symbolic shape, so the scalar arithmetic
             # that fed it in Python is no longer needed (and would split segments).
             for b in [b for b in n.inputs if not b.is_tensor]:
@@ -392,7 +265,7 @@ def _segment_io(grp: List[ir.Node], output: ir.Output, sym_src: Dict):
     outs = [b for b in inside if b in graph_outs or any(u not in members for u in b.users)]
     outs.sort(key=lambda b: grp.index(b.producer))
     for m in grp:
-        if isinstance(m, ir.Aten) and m.target in (aten.view.default, aten._unsafe_view.default):
+        if isinstance(m, ir.Aten) and m.target in T.RESHAPE_OPS:
             for sym in set().union(*(S.free_symbols(s) for s in m.out.size)):
                 if sym not in sym_src:
                     raise NotImplementedError(f"no input defines size symbol {sym}")

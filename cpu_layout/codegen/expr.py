@@ -7,22 +7,102 @@ Everything is computed in float32, following torch's semantics for each op.
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
-# name -> (arity, parameter names). Parameters are Python scalars/strings/None.
+import torch
+
+@dataclass(frozen=True)
+class ElementOp:
+    """One element-wise op, defined once: its arity and parameters (Python
+    scalars, strings or None), the ATen ops lowered to it directly, the C++
+    of one element (a format of the argument expressions {0}, {1}, ..., or
+    `fn(args, params) -> str`), whether that C++ calls libmvec's vector math
+    (cl:: helpers), and the conv post-op that runs it after a convolution
+    (`fn(params)` -> a cpu_layout.ops post-op), if any."""
+    arity: int
+    cpp: Union[str, Callable]
+    params: Tuple[str, ...] = ()
+    aten: tuple = ()
+    vector_math: bool = False
+    post_op: Optional[Callable] = None
+
+
+def float_literal(v: float) -> str:
+    """A C++ float literal for any Python float, infinities and NaN included."""
+    v = float(v)
+    if v != v:
+        return '__builtin_nanf("")'
+    if v in (float("inf"), float("-inf")):
+        return "__builtin_inff()" if v > 0 else "(-__builtin_inff())"
+    return f"({v.hex()}f)"
+
+
+def _leaky_relu_cpp(a, p):
+    return f"{a[0]} > 0.f ? {a[0]} : {a[0]} * {float_literal(p[0])}"
+
+
+def _clamp_cpp(a, p):
+    x = a[0]
+    if p[0] is not None:
+        x = f"cl::max_({x}, {float_literal(p[0])})"
+    if p[1] is not None:
+        x = f"cl::min_({x}, {float_literal(p[1])})"
+    return x
+
+
+def _pow_cpp(a, p):  # torch's special cases for scalar exponents
+    x = a[0]
+    special = {2.0: f"{x} * {x}", 3.0: f"{x} * {x} * {x}", 0.5: f"std::sqrt({x})",
+               -0.5: f"1.f / std::sqrt({x})", -1.0: f"1.f / {x}",
+               -2.0: f"1.f / ({x} * {x})", 1.0: x, 0.0: "1.f"}
+    return special.get(p[0], f"std::pow({x}, {float_literal(p[0])})")
+
+
+def _named(name):
+    return lambda p: name
+
+
+_aten = torch.ops.aten
 OPS = {
-    "add": (2, ()), "sub": (2, ()), "mul": (2, ()), "div": (2, ()),
-    "maximum": (2, ()), "minimum": (2, ()),
-    "gt": (2, ()), "lt": (2, ()), "ge": (2, ()), "le": (2, ()), "eq": (2, ()),
-    "neg": (1, ()), "abs": (1, ()), "exp": (1, ()), "log": (1, ()), "sqrt": (1, ()),
-    "rsqrt": (1, ()), "reciprocal": (1, ()), "relu": (1, ()), "sigmoid": (1, ()),
-    "tanh": (1, ()), "silu": (1, ()), "hardswish": (1, ()), "hardsigmoid": (1, ()),
-    "relu6": (1, ()),
-    "pow": (1, ("exponent",)),          # tensor ** python scalar
-    "leaky_relu": (1, ("slope",)),
-    "gelu": (1, ("approximate",)),      # 'none' (erf) or 'tanh'
-    "clamp": (1, ("lo", "hi")),         # either bound may be None
-    "where": (3, ()),                   # where(cond != 0, a, b)
+    "add": ElementOp(2, "{0} + {1}", aten=(_aten.add.Tensor, _aten.add.Scalar)),
+    "sub": ElementOp(2, "{0} - {1}", aten=(_aten.sub.Tensor, _aten.sub.Scalar)),
+    "mul": ElementOp(2, "{0} * {1}", aten=(_aten.mul.Tensor, _aten.mul.Scalar)),
+    "div": ElementOp(2, "{0} / {1}", aten=(_aten.div.Tensor, _aten.div.Scalar)),
+    "maximum": ElementOp(2, "cl::max_({0}, {1})", aten=(_aten.maximum.default,)),
+    "minimum": ElementOp(2, "cl::min_({0}, {1})", aten=(_aten.minimum.default,)),
+    "gt": ElementOp(2, "({0} > {1}) ? 1.f : 0.f"),
+    "lt": ElementOp(2, "({0} < {1}) ? 1.f : 0.f"),
+    "ge": ElementOp(2, "({0} >= {1}) ? 1.f : 0.f"),
+    "le": ElementOp(2, "({0} <= {1}) ? 1.f : 0.f"),
+    "eq": ElementOp(2, "({0} == {1}) ? 1.f : 0.f"),
+    "neg": ElementOp(1, "-{0}", aten=(_aten.neg.default,)),
+    "abs": ElementOp(1, "std::fabs({0})", aten=(_aten.abs.default,)),
+    "exp": ElementOp(1, "std::exp({0})", aten=(_aten.exp.default,), vector_math=True),
+    "log": ElementOp(1, "std::log({0})", aten=(_aten.log.default,), vector_math=True),
+    "sqrt": ElementOp(1, "std::sqrt({0})", aten=(_aten.sqrt.default,)),
+    "rsqrt": ElementOp(1, "1.f / std::sqrt({0})", aten=(_aten.rsqrt.default,)),
+    "reciprocal": ElementOp(1, "1.f / {0}", aten=(_aten.reciprocal.default,)),
+    "relu": ElementOp(1, "cl::max_({0}, 0.f)", aten=(_aten.relu.default,), post_op=_named("relu")),
+    "sigmoid": ElementOp(1, "cl::sigmoid({0})", aten=(_aten.sigmoid.default,), vector_math=True,
+                         post_op=_named("sigmoid")),
+    "tanh": ElementOp(1, "std::tanh({0})", aten=(_aten.tanh.default,), vector_math=True,
+                      post_op=_named("tanh")),
+    "silu": ElementOp(1, "cl::silu({0})", aten=(_aten.silu.default,), vector_math=True,
+                      post_op=_named("silu")),
+    "hardswish": ElementOp(1, "cl::hardswish({0})", aten=(_aten.hardswish.default,),
+                           post_op=_named("hardswish")),
+    "hardsigmoid": ElementOp(1, "cl::hardsigmoid({0})", aten=(_aten.hardsigmoid.default,)),
+    "relu6": ElementOp(1, "cl::min_(cl::max_({0}, 0.f), 6.f)"),
+    "pow": ElementOp(1, _pow_cpp, ("exponent",)),  # tensor ** python scalar
+    "leaky_relu": ElementOp(1, _leaky_relu_cpp, ("slope",),
+                            post_op=lambda p: ("leaky_relu", float(p[0]))),
+    "gelu": ElementOp(1, lambda a, p: f"cl::gelu{'_tanh' if p[0] == 'tanh' else ''}({a[0]})",
+                      ("approximate",), vector_math=True,  # 'none' (erf) or 'tanh'
+                      post_op=lambda p: "gelu_tanh" if p and p[0] == "tanh" else "gelu"),
+    "clamp": ElementOp(1, _clamp_cpp, ("lo", "hi"),  # either bound may be None
+                       post_op=lambda p: ("clamp", None if p[0] is None else float(p[0]),
+                                          None if p[1] is None else float(p[1]))),
+    "where": ElementOp(3, "({0} != 0.f) ? {1} : {2}"),  # where(cond != 0, a, b)
 }
 _DEFAULTS = {"leaky_relu": (0.01,), "gelu": ("none",), "clamp": (None, None)}
 
@@ -69,7 +149,7 @@ class Op:
     def __post_init__(self):
         if self.name not in OPS:
             raise ValueError(f"unsupported op {self.name!r}; known: {sorted(OPS)}")
-        arity, pnames = OPS[self.name]
+        arity, pnames = OPS[self.name].arity, OPS[self.name].params
         args = tuple(self.args)
         if len(args) != arity:
             raise ValueError(f"{self.name} takes {arity} argument(s), got {len(args)}")

@@ -401,13 +401,13 @@ class SegmentEncoder:
                   ES[n.out.dtype], self.fresh_flag(n.out))
 
     def view(self, n: ir.Aten, slot_of):
-        from cpu_layout.lower import permutation_of
+        from cpu_layout.op_table import RESHAPE_OPS, permutation_of
 
         t, a = n.target, n.args
         x = self.read_aliased(n, a[0])
         out = self.out_reg(n)
         perm = permutation_of(t, a, a[0].rank)
-        if t in (aten.view.default, aten._unsafe_view.default):
+        if t in RESHAPE_OPS:
             exprs = []
             for s in n.out.size:
                 tok = S.rpn(s, slot_of)

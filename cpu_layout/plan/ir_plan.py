@@ -12,7 +12,8 @@ import torch
 
 from cpu_layout import ir
 from cpu_layout import layout as L
-from cpu_layout.lower import FOLLOW_OPS, permutation_of
+from cpu_layout import op_table as T
+from cpu_layout.op_table import permutation_of
 from cpu_layout.plan import graph as pg
 from cpu_layout.plan.planner import Plan, plan
 
@@ -69,13 +70,14 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
                              keepdim=n.keepdim, op=n.kind, strided_reads=True))
         elif isinstance(n, ir.Aten) and n.rule == ir.FOLLOW:
             ins = tensors(n.inputs)
-            if n.target is aten.cat.default:
+            priced = T.OPS[n.target].priced if n.target in T.OPS else None
+            if priced == "concat":
                 add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0))
-            elif FOLLOW_OPS.get(n.target) is not None:
+            elif priced is not None:
                 pool = n.target in (aten.max_pool2d.default, aten.avg_pool2d.default)
                 kernel = tuple(n.args[1]) if pool and len(n.args) > 1 else ()
                 kernel = kernel * 2 if len(kernel) == 1 else kernel  # [k] means k x k
-                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=FOLLOW_OPS[n.target],
+                add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=priced,
                             kernel=kernel if all(type(k) is int for k in kernel) else ()))
             else:
                 add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
