@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpu_layout import benchmark, ir, models, op_table, ops, runtime
+from cpu_layout import benchmark, ir, models, op_table, ops, runtime, segments
 from cpu_layout.codegen import Const, Load, Op, cpp_kernels, cpp_wrapper
 
 pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
@@ -267,7 +267,7 @@ def test_split_piece_and_clone_order():
         return ir.Aten("clone", [x], y, target=aten.clone.default, args=(x,), kwargs={"memory_format": fmt})
 
     assert op_table.clone_order(clone(torch.preserve_format, ir.EAGER)) is None  # eager's own strides
-    assert not cpp_wrapper.runs_in_cpp(clone(torch.preserve_format, ir.EAGER))
+    assert not segments.runs_in_cpp(clone(torch.preserve_format, ir.EAGER))
     assert op_table.clone_order(clone(torch.preserve_format, "channels_last")) == "channels_last"
     assert op_table.clone_order(clone(torch.contiguous_format, ir.EAGER)) == "contiguous"
     assert op_table.clone_order(clone(torch.channels_last, ir.EAGER)) is None  # not 4-D
@@ -278,14 +278,14 @@ def test_rule_keeps_python_only_ops_out_of_segments():
     x = g.new_buffer(size=(2, 3), dtype=torch.float32, eager_stride=(3, 1))
     out = g.new_buffer(size=(2, 3), dtype=torch.float32, eager_stride=(3, 1))
     cumsum = ir.Aten("cumsum", [x], out, target=torch.ops.aten.cumsum.default, args=(x, 1))
-    assert not cpp_wrapper.runs_in_cpp(cumsum)
+    assert not segments.runs_in_cpp(cumsum)
     ints = g.new_buffer(size=(2, 3), dtype=torch.int64, eager_stride=(3, 1))
     cat = ir.Aten("cat", [ints], g.new_buffer(size=(4, 3), dtype=torch.int64, eager_stride=(3, 1)),
                   target=torch.ops.aten.cat.default, args=([ints, ints], 0))
-    assert not cpp_wrapper.runs_in_cpp(cat), "integer tensors stay in Python"
+    assert not segments.runs_in_cpp(cat), "integer tensors stay in Python"
     fcat = ir.Aten("cat", [x], g.new_buffer(size=(4, 3), dtype=torch.float32, eager_stride=(3, 1)),
                    target=torch.ops.aten.cat.default, args=([x, x], 0))
-    assert cpp_wrapper.runs_in_cpp(fcat)
+    assert segments.runs_in_cpp(fcat)
 
 
 class Plain(nn.Module):

@@ -304,7 +304,7 @@ class SegmentEncoder:
     # ---- one method per node kind ------------------------------------------------------
 
     def conv(self, n: ir.Conv):
-        from cpu_layout.codegen.cpp_wrapper import weight_format
+        from cpu_layout.segments import weight_format
 
         if n.impl == "aten":
             return self.aten_conv(n)
