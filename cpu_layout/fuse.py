@@ -126,14 +126,7 @@ def _expr(node: ir.Pointwise, env):
         return args[0]  # the kernel loads and stores in each buffer's own dtype
     if op not in E.OPS or E.OPS[op].arity != len(args):
         return None
-    if op == "gelu":
-        return E.Op("gelu", tuple(args), (p[0] if p else "none",))
-    if op == "clamp":
-        lo, hi = p
-        return E.Op("clamp", tuple(args), (None if lo is None else float(lo), None if hi is None else float(hi)))
-    if op == "leaky_relu":
-        return E.Op("leaky_relu", tuple(args), (float(p[0]),))
-    return E.Op(op, tuple(args))
+    return E.Op(op, tuple(args), p)  # Op checks and normalises the parameters
 
 
 def _kernelizable(n: ir.Node) -> bool:
