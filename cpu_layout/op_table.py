@@ -28,7 +28,6 @@ import torch
 from cpu_layout import ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
-from cpu_layout.codegen.program import float_tensor
 
 aten = torch.ops.aten
 
@@ -36,6 +35,11 @@ aten = torch.ops.aten
 RESHAPE_OPS = (aten.view.default, aten._unsafe_view.default)
 # Splits run as views (clw::narrow), one per Getitem of the result.
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
+def float_tensor(b) -> bool:
+    """A tensor buffer of what segments compute in (float32, bfloat16)."""
+    return isinstance(b, ir.Buffer) and b.is_tensor and b.dtype in (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,6 @@ from cpu_layout.codegen import sizes as S
 
 # ---- which nodes run in C++ ------------------------------------------------------
 
-def weight_format(b: ir.Buffer) -> Optional[int]:
-    """oneDNN's w_cl flag for a constant weight in its eager strides, None if neither dense form."""
-    if L.same_sizes(b.eager_stride, L.contiguous_strides(b.size)):
-        return 0
-    if b.rank in (4, 5) and L.is_in_order(b.size, b.eager_stride, L.CHANNELS_LAST):
-        return 1
-    return None
-
-
 def runs_in_cpp(n: ir.Node) -> bool:
     """THE rule: a node runs inside a C++ segment when it is
     - a convolution on constant float weights (the extension's oneDNN path),
@@ -52,15 +43,15 @@ def runs_in_cpp(n: ir.Node) -> bool:
     integer tensors) is a Python node between segments."""
     if isinstance(n, ir.Conv):
         w = n.weight
-        return (n.bn is None and w.constant and weight_format(w) is not None
-                and all(P.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
+        return (n.bn is None and w.constant and P.weight_format(w) is not None
+                and all(T.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
                 and (n.bias is None or n.bias.constant))
     if isinstance(n, ir.Kernel):
-        return all(P.float_tensor(b) for b in n.inputs) and n.out.rank <= 16
+        return all(T.float_tensor(b) for b in n.inputs) and n.out.rank <= 16
     if isinstance(n, ir.Reduction):
-        return P.float_tensor(n.inputs[0])
+        return T.float_tensor(n.inputs[0])
     if isinstance(n, ir.LayerNorm):
-        return all(P.float_tensor(b) for b in n.inputs)
+        return all(T.float_tensor(b) for b in n.inputs)
     if isinstance(n, ir.Getitem):  # a piece of a split a segment runs
         src = n.inputs[0].producer
         return isinstance(src, ir.Aten) and src.target in T.SPLIT_OPS and runs_in_cpp(src)

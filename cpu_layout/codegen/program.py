@@ -20,6 +20,7 @@ import torch
 from cpu_layout import build, ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
+from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of
 
 aten = torch.ops.aten
 
@@ -33,11 +34,6 @@ ES = {torch.float32: 4, torch.bfloat16: 2}
 # Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
 HELD_ES = {**ES, torch.int64: 8}
 INT64_MAX = (1 << 63) - 1
-
-
-def float_tensor(b) -> bool:
-    """A tensor buffer of what segments compute in (float32, bfloat16)."""
-    return isinstance(b, ir.Buffer) and b.is_tensor and b.dtype in ES
 
 
 _RUNTIME_CDEF = """
@@ -304,8 +300,6 @@ class SegmentEncoder:
     # ---- one method per node kind ------------------------------------------------------
 
     def conv(self, n: ir.Conv):
-        from cpu_layout.segments import weight_format
-
         if n.impl == "aten":
             return self.aten_conv(n)
         nsp = n.x.rank - 2
@@ -401,8 +395,6 @@ class SegmentEncoder:
                   ES[n.out.dtype], self.fresh_flag(n.out))
 
     def view(self, n: ir.Aten, slot_of):
-        from cpu_layout.op_table import RESHAPE_OPS, permutation_of
-
         t, a = n.target, n.args
         x = self.read_aliased(n, a[0])
         out = self.out_reg(n)
@@ -536,6 +528,15 @@ class SegmentEncoder:
         lay = n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS
         self.p.op("SHUFFLE", out, x, n.out.rank, groups, start, end, _cl(lay), ES[n.out.dtype],
                   self.fresh_flag(n.out))
+
+
+def weight_format(b: ir.Buffer) -> Optional[int]:
+    """oneDNN's w_cl flag for a constant weight in its eager strides, None if neither dense form."""
+    if L.same_sizes(b.eager_stride, L.contiguous_strides(b.size)):
+        return 0
+    if b.rank in (4, 5) and L.is_in_order(b.size, b.eager_stride, L.CHANNELS_LAST):
+        return 1
+    return None
 
 
 def _weight_flag(fmt: Optional[int]) -> int:
