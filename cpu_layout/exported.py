@@ -94,6 +94,12 @@ class CompiledExport:
                 self._flat.append(None)
                 self._expected.append(node.meta.get("val"))
         self._user_pos = [i for i, t in enumerate(self._flat) if t is None]
+        # Exported with positional tensors only (the usual `export(model, (x,))`): a
+        # call with as many tensors needs no tree_flatten, whose recursive closure
+        # leaves cyclic garbage on every call (and so wakes the collector over
+        # everything export keeps alive: 0.2 s a full collection).
+        self._positional = (all(isinstance(v, torch.Tensor) for v in self._expected)
+                            and self._in_spec == pytree.tree_flatten((tuple(self._expected), {}))[1])
         # Set when the program runs as ep.module() (a warning said why).
         self._module: Optional[torch.nn.Module] = None
         reason = _unsupported(self.exported)
@@ -147,14 +153,18 @@ class CompiledExport:
                 f"cpu_layout: compiled with CPU autocast (enabled, dtype) = {self._autocast}, called "
                 f"with {_autocast_state()}: the exported graph has its casts built in; export and "
                 f"compile under the autocast state you call it with")
-        if kwargs:
-            from torch.export._tree_utils import reorder_kwargs
+        if (self._positional and not kwargs and len(args) == len(self._expected)
+                and all(isinstance(a, torch.Tensor) for a in args)):
+            flat_args = args  # the spec tree_flatten would give is the exported one
+        else:
+            if kwargs:
+                from torch.export._tree_utils import reorder_kwargs
 
-            kwargs = reorder_kwargs(kwargs, self._in_spec)
-        flat_args, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise TypeError(f"cpu_layout: the program was exported with inputs {self._in_spec}, "
-                            f"called with {spec}")
+                kwargs = reorder_kwargs(kwargs, self._in_spec)
+            flat_args, spec = pytree.tree_flatten((args, kwargs))
+            if spec != self._in_spec:
+                raise TypeError(f"cpu_layout: the program was exported with inputs {self._in_spec}, "
+                                f"called with {spec}")
         self._check(flat_args)
         flat = list(self._flat)
         for pos, a in zip(self._user_pos, flat_args):

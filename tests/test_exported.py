@@ -110,6 +110,31 @@ def test_inputs_its_guards_would_reject_are_errors():
         cpu_layout.compile_exported(export(model, x), {"cpp": True})
 
 
+def test_a_call_leaves_no_cyclic_garbage():
+    """Positional tensors skip tree_flatten, whose closure is a reference cycle
+    per call: garbage that wakes the collector over everything export keeps."""
+    import gc
+
+    model = conv_bn()
+    x = torch.randn(2, 3, 16, 16)
+    f = cpu_layout.compile_exported(export(model, x), {"cpp_wrapper": True})
+    with torch.no_grad():
+        f(x)
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(10):
+                y = f(x)
+            assert gc.collect() == 0
+        finally:
+            if enabled:
+                gc.enable()
+        assert_matches(y, model(x))
+        with pytest.raises(TypeError, match="exported with inputs"):
+            f([x])  # a list is a pytree node, not a tensor: the general path checks it
+
+
 def test_with_grad_enabled_it_runs_without_an_autograd_graph():
     model = conv_bn()
     x = torch.randn(2, 3, 16, 16)
