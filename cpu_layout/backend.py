@@ -94,7 +94,7 @@ def compile_or_eager(gm: torch.fx.GraphModule, example_inputs, options: dict,
         return compile_graph(gm, example_inputs, options, param_indices)
     except Exception as exc:  # noqa: BLE001 - any failure means: run this graph eagerly
         if config.strict():
-            raise CompileError(f"cpu_layout could not compile a graph: {exc}") from exc
+            raise CompileError(f"cpu_layout could not compile a graph: {type(exc).__name__}: {exc}") from exc
         _fallback_warning(f"{type(exc).__name__}: {exc}")
         return _eager(gm)
 

@@ -140,6 +140,15 @@ class Conv(Node):
     impl_rank: int = 0
     rule: str = FREE
 
+    def residuals(self) -> List[Buffer]:
+        """The buffers its ("add", buffer) post-ops add, in order."""
+        return [p[1] for p in self.post_ops if isinstance(p, tuple) and p[0] == "add"]
+
+    def activations(self) -> List[Buffer]:
+        """What it reads as tensors in its layout: its input and its residuals
+        (weight and bias are the primitive's business)."""
+        return [self.x] + self.residuals()
+
 
 @dataclass(eq=False)
 class Pointwise(Node):

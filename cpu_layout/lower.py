@@ -237,7 +237,9 @@ class Lowering:
         w = tnode.inputs[0]
         v = self._val(n)
         sizes = (*xb.size, *w.size, *v.shape)
-        if (xb.rank != 2 or w.rank != 2 or not w.constant or xb.dtype not in _FLOAT
+        # A linear on module state alone (swin_v2's position-bias MLP over a
+        # coordinate table) stays an ATen matmul: a constant node, computed once.
+        if (xb.rank != 2 or w.rank != 2 or not w.constant or xb.constant or xb.dtype not in _FLOAT
                 or not L.same_sizes(w.eager_stride, L.contiguous_strides(w.size))  # a weight, not a slice
                 or any(t.dtype != xb.dtype for t in (w, v)) or not all(type(s) is int for s in sizes)
                 or (bb is not None and (not bb.constant or bb.rank != 1 or bb.dtype != xb.dtype))

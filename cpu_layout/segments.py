@@ -90,7 +90,7 @@ def _hoist_batch_norm(g: ir.Graph) -> None:
         for s in {x for x in (b, bn.weight, bn.bias, bn.mean, bn.var) if x is not None}:
             while conv in s.users:
                 s.users.remove(conv)
-        residuals = [p[1] for p in conv.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        residuals = conv.residuals()
         conv.inputs = [conv.x, new_w, new_b] + residuals
         while conv in w.users:
             w.users.remove(conv)

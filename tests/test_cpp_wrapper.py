@@ -723,3 +723,45 @@ def test_squeeze_is_a_view_in_python_between_segments(compiled_graphs):
     squeeze = [n for n in nodes if isinstance(n, ir.Aten) and n.target is torch.ops.aten.squeeze.dim]
     assert len(squeeze) == 1 and squeeze[0].rule == ir.VIEW
     assert sum(isinstance(n, ir.Segment) for n in nodes) == 2
+
+
+class OverModuleState(nn.Module):
+    """A conv filtering a buffer, and swin_v2's position-bias MLP: linears over a
+    coordinate table. Both read module state as their activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("grid", torch.randn(1, 8, 6, 6))
+        self.register_buffer("coords", torch.randn(36, 2))
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.head = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        bias = self.mlp(self.coords).t().reshape(1, 8, 6, 6)
+        return self.head(x) + self.conv(self.grid) + bias
+
+
+@pytest.mark.parametrize("cpp", [False, True])
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_module_state_as_an_activation(cpp, grad_mode, compiled_graphs):
+    """They compile (no eager fallback) and match eager; in C++ the conv reads
+    the buffer through a handle of the segment's constants."""
+    import warnings
+
+    model = OverModuleState().eval()
+    x = torch.randn(2, 8, 6, 6)
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with mode, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*eagerly.*")
+        ref = model(x)
+        fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+        y = fn(x)
+        y = fn(x)  # the second call, on the memoized constants
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert y.shape == ref.shape and y.stride() == ref.stride()
+    g = compiled_graphs[0].cpu_layout_graph
+    assert not any(isinstance(n, ir.Conv) and n.linear for n in g.nodes), "the MLP is a constant node"
+    if cpp:
+        convs = [m for n in g.nodes if isinstance(n, ir.Segment) for m in n.members if isinstance(m, ir.Conv)]
+        assert any(c.x.constant for c in convs), "the conv over the buffer runs in a segment"

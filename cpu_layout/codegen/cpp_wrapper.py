@@ -61,7 +61,9 @@ def _encode_segment(seg: ir.Segment, kernels, sym_src, last_use: Dict[ir.Buffer,
     needs_handle = {b for m in seg.members if not isinstance(m, ir.Conv) for b in m.inputs if b in consts}
     for m in seg.members:
         if isinstance(m, ir.Conv):
-            needs_handle.update(p[1] for p in m.post_ops if isinstance(p, tuple) and p[1] in consts)
+            # Its activation and residuals are tensors; only its weight and bias are
+            # read from the pack (a conv over module state: a buffer it filters).
+            needs_handle.update(b for b in m.activations() if b in consts)
             if m.impl == "aten":  # torch's convolution takes tensors
                 needs_handle.update(b for b in (m.weight, m.bias) if b is not None and b in consts)
     for i, b in enumerate(consts):

@@ -308,7 +308,7 @@ class SegmentEncoder:
         bi = self.consts.index(n.bias) if n.bias is not None else -1
         post = [("add", torch.empty(0)) if isinstance(p, tuple) and p[0] == "add" else p for p in n.post_ops]
         parsed = ops._parse_post_ops(post)
-        residuals = [p[1] for p in n.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        residuals = n.residuals()
         x = self.read(n, n.x)
         res = [self.read(n, r) for r in residuals]
         inplace = self.inplace_residual(n, residuals)

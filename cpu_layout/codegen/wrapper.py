@@ -65,7 +65,7 @@ def _required(node: ir.Node, b: ir.Buffer):
     if isinstance(node, ir.Conv):
         # Its activation and residuals in the layout it computes in (the cost
         # model's conv); weights are the primitive's business.
-        acts = [node.x] + [p[1] for p in node.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        acts = node.activations()
         lay = node.out.layout
         return lay if lay in L.LABELS and b.rank == node.out.rank and any(a is b for a in acts) else None
     if not b.is_tensor or isinstance(node, (ir.Getitem, ir.Kernel, ir.Reduction, ir.Segment)):

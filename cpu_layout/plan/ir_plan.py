@@ -56,7 +56,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
         if isinstance(n, ir.Input) or isinstance(n, ir.Getitem):
             add(pg.Input(b.name, (), b.size, b.dtype, stride=b.eager_stride))
         elif isinstance(n, ir.Conv):
-            residuals = [p[1] for p in n.post_ops if isinstance(p, tuple) and p[0] == "add"]
+            residuals = n.residuals()
             k = n.weight.size[2:]
             add(pg.Conv(b.name, tensors([n.x] + residuals), b.size, b.dtype, in_size=n.x.size,
                         out_channels=b.size[1], kernel=tuple(k), stride=n.stride, padding=n.padding,
