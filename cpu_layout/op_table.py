@@ -8,7 +8,7 @@ An ATen call in the IR (`ir.Aten`) takes from its entry
   pool of its window, "concat" a concatenation; None: by its rule (FOLLOW an
   element-wise pass, VIEW a view or permute, DENSE a fallback reading dense).
 - `in_cpp` and `encode`: whether a C++ segment runs the call
-  (codegen/cpp_wrapper.py: `runs_in_cpp`) and the segment instructions it
+  (segments.py: `runs_in_cpp`) and the segment instructions it
   becomes (`encode(SegmentEncoder, node, slot_of_symbol)`, codegen/program.py).
   Without them the call is a Python node between segments.
 
