@@ -506,7 +506,9 @@ class Lowering:
                     # A cast or view of module state is module state too, unless
                     # its size follows the input's (ViT's class token expanded to
                     # the batch): a constant's size is fixed at compile time.
-                    tensors = [b for b in node.inputs if b.is_tensor]
+                    # (An element of a tuple of module state, such as the var_mean of
+                    # nfnet's weight standardisation, is module state as well.)
+                    tensors = [b for b in node.inputs if b.is_tensor or isinstance(node, ir.Getitem)]
                     r.constant = (bool(tensors) and all(b.constant for b in tensors)
                                   and not isinstance(node, ir.Conv) and not node.effects
                                   and (not r.is_tensor or all(type(s) is int for s in r.size)))

@@ -765,3 +765,37 @@ def test_module_state_as_an_activation(cpp, grad_mode, compiled_graphs):
     if cpp:
         convs = [m for n in g.nodes if isinstance(n, ir.Segment) for m in n.members if isinstance(m, ir.Conv)]
         assert any(c.x.constant for c in convs), "the conv over the buffer runs in a segment"
+
+
+class StandardizedConv(nn.Module):
+    """nfnet's weight standardisation: var_mean of the weight (a tuple of module
+    state) in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4, 3, 3))
+        self.gain = nn.Parameter(torch.rand(8, 1, 1, 1) + 0.5)
+
+    def forward(self, x):
+        var, mean = torch.var_mean(self.weight, dim=(1, 2, 3), keepdim=True, unbiased=False)
+        w = (self.weight - mean) * torch.rsqrt(var + 1e-5) * self.gain
+        return F.relu(F.conv2d(x, w, padding=1))
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_an_element_of_a_tuple_of_module_state_is_module_state(grad_mode):
+    import warnings
+
+    model = StandardizedConv().eval()
+    x = torch.randn(2, 4, 10, 10)
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with mode, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*eagerly.*")
+        fn = compile_cpp(model)
+        y = fn(x)
+        ref = model(x)
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+        assert y.stride() == ref.stride()
+        model.weight.mul_(2.0)  # the standardised weight is recomputed, once
+        y2, ref2 = fn(x), model(x)
+    torch.testing.assert_close(y2, ref2, rtol=1e-4, atol=1e-4)
