@@ -4,7 +4,9 @@ Python-only ops, buffer reuse and peak memory, errors from inside C++.
 (Values, sizes and strides against eager for every model are in
 test_backend.py, which runs each test under both wrappers.)
 """
+import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpu_layout import benchmark, ir, models, op_table, ops, runtime, segments
-from cpu_layout.codegen import Const, Load, Op, cpp_kernels, cpp_wrapper
+from cpu_layout.codegen import Const, Load, Op, cpp_kernels
 
 pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
 
@@ -725,6 +727,15 @@ def test_squeeze_is_a_view_in_python_between_segments(compiled_graphs):
     assert sum(isinstance(n, ir.Segment) for n in nodes) == 2
 
 
+@contextlib.contextmanager
+def _compiled_region(grad_mode):
+    """The grad mode a test runs its model under, with an eager fallback an error."""
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with mode, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*eagerly.*")
+        yield
+
+
 class OverModuleState(nn.Module):
     """A conv filtering a buffer, and swin_v2's position-bias MLP: linears over a
     coordinate table. Both read module state as their activation."""
@@ -747,13 +758,9 @@ class OverModuleState(nn.Module):
 def test_module_state_as_an_activation(cpp, grad_mode, compiled_graphs):
     """They compile (no eager fallback) and match eager; in C++ the conv reads
     the buffer through a handle of the segment's constants."""
-    import warnings
-
     model = OverModuleState().eval()
     x = torch.randn(2, 8, 6, 6)
-    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
-    with mode, warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*eagerly.*")
+    with _compiled_region(grad_mode):
         ref = model(x)
         fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
         y = fn(x)
@@ -784,13 +791,9 @@ class StandardizedConv(nn.Module):
 
 @pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
 def test_an_element_of_a_tuple_of_module_state_is_module_state(grad_mode):
-    import warnings
-
     model = StandardizedConv().eval()
     x = torch.randn(2, 4, 10, 10)
-    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
-    with mode, warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*eagerly.*")
+    with _compiled_region(grad_mode):
         fn = compile_cpp(model)
         y = fn(x)
         ref = model(x)
