@@ -280,16 +280,35 @@ class OpenVINOCompiled(Compiled):
         self.runs += 1
         return torch.from_numpy(self._ov_model(x.numpy())[0])  # a fresh array per call
 
-    def _compile(self, x: torch.Tensor) -> None:
+    def _compile(self, x: torch.Tensor, **extra):
         import openvino as ov
 
         with torch.no_grad():  # no autocast: OpenVINO converts the fp32 graph
             m = ov.convert_model(self.model, example_input=x)
         m.reshape([-1 if self.dynamic else x.shape[0], *x.shape[1:]])
         cfg = {"INFERENCE_PRECISION_HINT": "f32" if self.dtype == "float32" else "bf16",
-               "INFERENCE_NUM_THREADS": torch.get_num_threads()}
-        self._ov_model = ov.compile_model(m, "CPU", cfg)
-        self.compiles += 1
+               "INFERENCE_NUM_THREADS": torch.get_num_threads(), **extra}
+        compiled = ov.compile_model(m, "CPU", cfg)
+        if not extra:
+            self._ov_model = compiled
+            self.compiles += 1
+        return compiled
+
+    def layer_profile(self, x: torch.Tensor, iters: int = 20) -> Dict[str, float]:
+        """Milliseconds per forward by OpenVINO layer type and kernel ("Convolution
+        brgconv_avx512_1x1_f32"), from its own counters (PERF_COUNT), on a model
+        compiled for it: counting costs time, so the timed one never counts."""
+        req = self._compile(x, PERF_COUNT=True).create_infer_request()
+        xn = self.prepare_input(x).numpy()
+        for _ in range(3):
+            req.infer([xn])
+        per: Dict[str, float] = {}
+        for _ in range(iters):
+            req.infer([xn])
+            for p in req.profiling_info:
+                key = f"{p.node_type} {p.exec_type}"
+                per[key] = per.get(key, 0.0) + p.real_time.total_seconds() * 1e3 / iters
+        return {k: v for k, v in per.items() if v > 0}
 
 
 def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOCompiled:

@@ -2,7 +2,7 @@
 
     python scripts/breakdown.py [--suite torchvision|timm|builtin] --models a,b [--batch 1]
                                 [--size N] [--threads 1] [--dtype float32|amp] [--iters 20]
-                                [--wrapper python|cpp] [--entry compile|exported]
+                                [--wrapper python|cpp] [--entry compile|exported] [--openvino]
 
 Python wrapper (default): compiles under CPU_LAYOUT_PROFILE=1, which times
 every call the wrapper makes by kind (oneDNN convs, generated kernels, matmuls
@@ -17,7 +17,9 @@ guards and frame, AOT's wrapper, and ours (module-state check, handles); with
 Both print milliseconds per forward for each kind, the copies made per
 forward, and the plan's own predictions next to the measured times: of what
 its layouts decide (convs, copies, ATen pooling) and of the whole forward
-(plus modelled kernels, reductions, concats and ATen ops).
+(plus modelled kernels, reductions, concats and ATen ops). --openvino adds
+OpenVINO's own per-layer counters for the same model and input, by layer type
+and kernel (its convs, reorders, fused subgraphs), to compare kind by kind.
 """
 from __future__ import annotations
 
@@ -59,6 +61,20 @@ def _segment_kinds(profile: dict, iters: int) -> dict:
     return per
 
 
+def _print_openvino(model, x, args) -> None:
+    """OpenVINO's layers on the same input, by type and kernel (PERF_COUNT)."""
+    from cpu_layout import benchmark as B
+
+    try:
+        per = B._openvino(model, args.dtype, False).layer_profile(x, args.iters)
+    except B.NotSupportedYet as exc:
+        print(f"  OpenVINO: {exc}")
+        return
+    print(f"  OpenVINO, its own counters: {sum(per.values()):.3f} ms of layers per forward")
+    for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"    {k:48s} {v:9.3f} ms")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="torchvision", choices=("builtin", "torchvision", "timm"))
@@ -71,6 +87,8 @@ def main(argv=None):
     ap.add_argument("--wrapper", default="python", choices=("python", "cpp"))
     ap.add_argument("--entry", default="compile", choices=("compile", "exported"),
                     help="torch.compile, or cpu_layout.compile_exported (no Dynamo per call)")
+    ap.add_argument("--openvino", action="store_true",
+                    help="also OpenVINO's time per layer type and kernel, from its own counters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from cpu_layout import backend
@@ -144,6 +162,8 @@ def main(argv=None):
         print(f"  plan's prediction of the whole forward (+ kernels, reductions, concats, ATen ops "
               f"modelled) {pred:.3f} ms; measured {wall:.3f} ms ({pred / wall:.2f}x), "
               f"{wall - rest:.3f} ms without the {glue} ({pred / (wall - rest):.2f}x)")
+        if args.openvino:
+            _print_openvino(model, x, args)
         sys.stdout.flush()
 
 

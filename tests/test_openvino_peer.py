@@ -1,0 +1,30 @@
+"""The OpenVINO column of the benchmarks (benchmark.OpenVINOCompiled): what it
+computes, and its per-layer counters (scripts/breakdown.py --openvino)."""
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_layout import benchmark as B
+
+pytest.importorskip("openvino", reason="scripts/test.sh installs it; a bare pytest run may not")
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, groups=16, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
+
+
+def test_values_and_layer_counters_come_from_separate_compiles():
+    model, x = _net(), torch.randn(2, 3, 16, 16)
+    ov = B._openvino(model, "float32", False)
+    y = ov(x)
+    with torch.no_grad():
+        torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-4)
+    timed = ov._ov_model
+    per = B._openvino(model, "float32", False).layer_profile(x, iters=3)
+    assert any(k.startswith("Convolution ") for k in per) and any(k.startswith("GroupConvolution ") for k in per)
+    assert all(v > 0 for v in per.values())
+    counted = ov.layer_profile(x, iters=2)
+    assert any(k.startswith("Convolution ") for k in counted)
+    assert ov._ov_model is timed and ov.compiles == 1, "the timed model never counts"
