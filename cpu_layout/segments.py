@@ -17,7 +17,7 @@ the graph the sequence of inputs, prologue, segments and Python nodes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -154,7 +154,9 @@ def _groups(g: ir.Graph):
 
 
 def _segment_io(grp: List[ir.Node], output: ir.Output, sym_src: Dict):
-    """What a segment reads (activations, constants, size-defining ints) and returns."""
+    """What a segment reads (activations, constants, size-defining ints) and returns,
+    and the size symbols its views use with where each is read: [(symbol, buffer,
+    dim or None)], in name order (the order of the program's symbol slots)."""
     inside = {m.out for m in grp}
     members = set(grp)
     graph_outs = set(ir.values_of(output.values))
@@ -168,16 +170,19 @@ def _segment_io(grp: List[ir.Node], output: ir.Output, sym_src: Dict):
                 target.append(b)
     outs = [b for b in inside if b in graph_outs or any(u not in members for u in b.users)]
     outs.sort(key=lambda b: grp.index(b.producer))
+    syms = set()
     for m in grp:
         if isinstance(m, ir.Aten) and m.target in T.RESHAPE_OPS:
             for sym in set().union(*(S.free_symbols(s) for s in m.out.size)):
                 if sym not in sym_src:
                     raise NotImplementedError(f"no input defines size symbol {sym}")
+                syms.add(sym)
                 b, dim = sym_src[sym]
                 target = scalars if dim is None else acts
                 if b not in target:
                     target.append(b)
-    return acts, consts, outs, scalars
+    sym_reads = [(sym, *sym_src[sym]) for sym in sorted(syms, key=lambda s: s.name)]
+    return acts, consts, outs, scalars, sym_reads
 
 
 def _relink(g: ir.Graph, nodes: List[ir.Node]) -> None:
@@ -203,8 +208,7 @@ class Partition:
     exports: List[ir.Buffer]           # the prologue's results, in its output order
     python_read: set                   # exports read outside the segments
     prologue: ir.Graph
-    sym_src: Dict                      # size symbol -> where its value is read
-    last_use: Dict[ir.Buffer, ir.Node] = field(default_factory=dict)
+    last_use: Dict[ir.Buffer, ir.Node]  # each buffer's last reader in the graph as partitioned
 
     @property
     def segments(self) -> List[ir.Segment]:
@@ -236,12 +240,12 @@ def partition(g: ir.Graph) -> Partition:
     for i, grp in enumerate(groups):
         if not isinstance(grp, list):
             continue
-        acts, consts, outs, scalars = _segment_io(grp, output, sym_src)
+        acts, consts, outs, scalars, sym_reads = _segment_io(grp, output, sym_src)
         exports += [b for b in consts if b not in exports]
         pack = g.new_buffer("pack")
         seg = ir.Segment(f"cl_segment_{k}", list(acts) + [pack] + list(scalars), g.new_buffer("seg"),
                          members=grp, n_activations=len(acts))
-        seg.consts, seg.outs, seg.pack = consts, outs, pack
+        seg.consts, seg.outs, seg.pack, seg.sym_reads = consts, outs, pack, sym_reads
         groups[i] = seg
         k += 1
     prologue = ir.Graph()
@@ -249,7 +253,7 @@ def partition(g: ir.Graph) -> Partition:
     prologue.output = ir.Output("output", list(exports), None, values=list(exports))
     prologue.nodes.append(prologue.output)
     return Partition(inputs, output, params, const_nodes, groups, exports, python_read, prologue,
-                     sym_src, last_use)
+                     last_use)
 
 
 def assemble(g: ir.Graph, part: Partition) -> Optional[ir.Aten]:

@@ -37,14 +37,13 @@ from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout import ops, runtime, segments
 from cpu_layout.codegen import program as P
-from cpu_layout.codegen import sizes as S
 
 aten = torch.ops.aten
 
 
 # ---- segment programs ------------------------------------------------------------------
 
-def _encode_segment(seg: ir.Segment, kernels, sym_src, last_use: Dict[ir.Buffer, ir.Node],
+def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node],
                     debug: bool) -> P.Program:
     """The segment as a program for the segment runtime (codegen/program.py)."""
     outs, consts = seg.outs, seg.consts
@@ -70,16 +69,10 @@ def _encode_segment(seg: ir.Segment, kernels, sym_src, last_use: Dict[ir.Buffer,
         if b in needs_handle:
             em.reg[b] = prog.reg()
             prog.op("BLOB", em.reg[b], i, P.HELD_ES[b.dtype], b.rank, b.size, P.static_strides(b))
-    # Symbols the views' sizes use, read from the inputs that define them.
-    syms = set()
-    for m in seg.members:
-        if isinstance(m, ir.Aten) and m.target in T.RESHAPE_OPS:
-            for s in m.out.size:
-                syms |= S.free_symbols(s)
+    # Symbols the views' sizes use, read from the inputs that define them (segments.py).
     slots = {}
-    for sym in sorted(syms, key=lambda s: s.name):
+    for sym, src, dim in seg.sym_reads:
         slots[sym] = len(slots)
-        src, dim = sym_src[sym]
         if dim is None:
             prog.op("SYM_SCALAR", slots[sym], seg.inputs.index(src) - seg.n_activations - 1)
         else:
@@ -131,7 +124,7 @@ def build(g: ir.Graph, debug: bool = False):
     for seg in part.segments:
         kernels.update(zip(*schedule.generated(seg.members)))
     for seg in part.segments:
-        seg.program = _encode_segment(seg, kernels, part.sym_src, part.last_use, debug)
+        seg.program = _encode_segment(seg, kernels, part.last_use, debug)
         if config.log_enabled("program"):
             print(f"{seg.name}: {len(seg.members)} nodes\n{seg.program.listing()}", file=sys.stderr)
     pro_node = segments.assemble(g, part)
