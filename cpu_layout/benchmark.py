@@ -276,7 +276,8 @@ class OpenVINOCompiled(Compiled):
 
     def __call__(self, x):
         if self._ov_model is None:
-            self._compile(x)
+            self._ov_model = self._compile(x)
+            self.compiles += 1
         self.runs += 1
         return torch.from_numpy(self._ov_model(x.numpy())[0])  # a fresh array per call
 
@@ -288,11 +289,7 @@ class OpenVINOCompiled(Compiled):
         m.reshape([-1 if self.dynamic else x.shape[0], *x.shape[1:]])
         cfg = {"INFERENCE_PRECISION_HINT": "f32" if self.dtype == "float32" else "bf16",
                "INFERENCE_NUM_THREADS": torch.get_num_threads(), **extra}
-        compiled = ov.compile_model(m, "CPU", cfg)
-        if not extra:
-            self._ov_model = compiled
-            self.compiles += 1
-        return compiled
+        return ov.compile_model(m, "CPU", cfg)
 
     def layer_profile(self, x: torch.Tensor, iters: int = 20) -> Dict[str, float]:
         """Milliseconds per forward by OpenVINO layer type and kernel ("Convolution
