@@ -347,6 +347,23 @@ def test_large_parallel_path_matches_single_thread(threads, dtype, layout):
         assert torch.equal(out, ref), f"{n} threads"
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_rows_dense_in_channels_with_padded_rows(threads, dtype):
+    # Channels innermost and dense, rows strided (a channels-last view of a wider buffer),
+    # per-channel scale and shift: a call per row on the tensors' own memory, 1 and 2 threads.
+    x = torch.empty(2, 17, 19, 48, dtype=dtype)[..., :40].permute(0, 3, 1, 2)
+    x.copy_(nchw(2, 40, 17, 19, dtype=dtype))
+    s, b = nchw(1, 40, 1, 1, dtype=dtype, seed=1), nchw(1, 40, 1, 1, dtype=dtype, seed=2)
+    ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
+    for n in (1, 2):
+        threads(n)
+        out = torch.full((2, 17, 19, 44), 7.0, dtype=dtype)
+        view = out[..., 2:42].permute(0, 3, 1, 2)
+        CHAIN4[dtype].compile()(x.shape, [x, s, b], [view])
+        assert torch.equal(view, ref), f"{n} threads"
+        assert (out[..., :2] == 7).all() and (out[..., 42:] == 7).all()  # padding untouched
+
+
 def test_broadcast_buffers_across_partial_tiles(threads):
     # Rows of 100 go 5 to a tile, so each 7-row plane ends in a 2-row tile; with 2 threads the
     # second starts on such a tile and then needs the scalar's buffer for 5 rows.
@@ -523,6 +540,34 @@ def test_large_reduction_is_thread_count_independent(threads, layout):
     threads(2)
     one = LAYOUTS[layout](nchw(1, 64, 56, 56))  # few outputs: narrower blocks, still correct
     torch.testing.assert_close(run_red("mean", one), one.mean((2, 3)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 56, 56), (1, 2500, 23, 23), (2, 3, 160, 160)],
+                         ids=["one_block", "wider_than_a_block", "few_channels"])
+def test_channels_last_reduction_shares_rows_among_threads(threads, shape):
+    # One image, channels innermost: too few output blocks for two threads, so the rows
+    # are shared in chunks and their sums combined in order: the same bits as one thread.
+    x = LAYOUTS["channels_last"](nchw(*shape))
+    x[0, 1, 0, 1] = 1e4  # a large value early in the sum: a different order would show
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(run_red("mean_keep", x))
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], x.double().mean((2, 3), keepdim=True).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "permuted"])
+def test_channels_last_reduction_with_a_per_channel_input(threads, layout):
+    # sigmoid(mean(x * s)) with s one value per channel: s repeats one row over H and W.
+    x = LAYOUTS[layout](nchw(2, 40, 31, 33))
+    s = nchw(2, 40, 1, 1, dtype=bf16, seed=3)
+    for n in (1, 2):
+        threads(n)
+        got = run_red("se", x, s)
+        ref = torch.sigmoid((x * s.float()).mean((2, 3), keepdim=True))
+        assert (ordered(got) - ordered(ref.to(bf16))).abs().max() <= 1
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils")

@@ -38,6 +38,7 @@ _REDUCTIONS = ("sum", "mean", "amax", "amin")
 
 PREAMBLE = r"""
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <omp.h>
@@ -50,8 +51,9 @@ PREAMBLE = r"""
 @SIMD_MATH@
 namespace cl {
 typedef uint16_t bf16;
-// BLOCK: elements per tile; L: accumulator lanes; KB: outputs per block (kept-inner reductions).
-enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 64 };
+// BLOCK: elements per tile; L: accumulator lanes; KB: elements per tile of a kept-inner
+// reduction (outputs per block, or rows x outputs); RCHUNK: rows summed before they join the total.
+enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 1024, RCHUNK = 256 };
 
 static inline float ld(float x) { return x; }
 static inline float ld(bf16 h) {
@@ -191,6 +193,13 @@ template <int ND, int NT> struct Cursor {
       for (int t = 0; t < NT; ++t) off[t] += idx[d] * p.st[t][d];
     }
   }
+  // n >= 1 steps along dim k-1, ending at most at its end (where it carries).
+  void advance(const Dims<ND, NT>& p, int k, int64_t n) {
+    if (k == 0) return;
+    idx[k - 1] += n - 1;
+    for (int t = 0; t < NT; ++t) off[t] += (n - 1) * p.st[t][k - 1];
+    next(p, k);
+  }
   void next(const Dims<ND, NT>& p, int k) {
     for (int d = k - 1; d >= 0; --d) {
       for (int t = 0; t < NT; ++t) off[t] += p.st[t][d];
@@ -250,6 +259,28 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
     if (!go_parallel(numel, numel)) { run(0, numel); return; }
 #pragma omp parallel
     { int64_t b, e; chunk(numel, 16, &b, &e); if (b < e) run(b, e); }
+    return;
+  }
+  // Every tensor dense along the last dim (a broadcast one repeating a row, as a channels-last
+  // tensor times a per-channel scale): a call per row on the tensors' own memory.
+  bool rows_dense = p.m >= 2 && p.sz[p.m - 1] >= 16;
+  for (int t = 0; t < NT && rows_dense; ++t) rows_dense = p.st[t][p.m - 1] == 1;
+  if (rows_dense) {
+    const int64_t n1 = p.sz[p.m - 1];
+    int64_t nrows = 1;
+    for (int d = 0; d + 1 < p.m; ++d) nrows *= p.sz[d];
+    auto run = [&](int64_t b, int64_t e) {
+      Cursor<ND, NT> cur;
+      cur.seek(p, p.m - 1, b);
+      for (int64_t r = b; r < e; ++r, cur.next(p, p.m - 1)) {
+        char* q[NT];
+        for (int t = 0; t < NT; ++t) q[t] = (char*)data[t] + cur.off[t] * es[t];
+        body(n1, q);
+      }
+    };
+    if (!go_parallel(numel, nrows)) { run(0, nrows); return; }
+#pragma omp parallel
+    { int64_t b, e; chunk(nrows, 1, &b, &e); if (b < e) run(b, e); }
     return;
   }
   // General: tiles of (rows of dim m-2) x (dim m-1), outer dims by odometer.
@@ -368,47 +399,110 @@ static void reduction(const int64_t* sizes, void* const* data, const int64_t* st
     { int64_t b, e; chunk(ocount, 1, &b, &e); if (b < e) work(b, e); }
     return;
   }
-  // Kept dim innermost (e.g. channels-last mean over H,W): accumulate a block of up to KB
-  // adjacent outputs at once, walking the reduced dims outside.
+  // Kept dim innermost (e.g. channels-last mean over H,W): each reduced position adds a run of
+  // up to KB adjacent outputs, walking the reduced dims outside. Rows are summed in chunks of
+  // RCHUNK (a two-level sum keeps float32 error growth in check) and the chunk sums combined in
+  // order, so when the chunks are shared among threads (too few output blocks to share) the
+  // result is the same as on one thread.
   const int64_t n1 = K.sz[K.m - 1];
   int64_t outer = 1;
   for (int d = 0; d + 1 < K.m; ++d) outer *= K.sz[d];
-  int64_t kb = KB;  // narrower blocks when there would be too few to share among threads
-  while (kb > 8 && outer * ((n1 + kb - 1) / kb) < 2 * omp_get_max_threads()) kb /= 2;
-  const int64_t ncb = (n1 + kb - 1) / kb, items = outer * ncb;
-  auto work = [&](int64_t b, int64_t e) {
+  const int64_t ncb = (n1 + KB - 1) / KB, blocks = outer * ncb;
+  const int64_t nch = (rcount + RCHUNK - 1) / RCHUNK;
+  // acc[0, n) = the reduction of rows [r0, r1) at outputs c0.. of kept position kc.
+  auto rows_sum = [&](const Cursor<ND, NT>& kc, int64_t c0, int64_t n, int64_t r0, int64_t r1,
+                   float* acc) {
     alignas(64) char buf[NI][KB * 4];
-    alignas(64) float v[KB], acc[KB], tot[KB];
+    alignas(64) float v[KB];
     Staging stg[NI];
-    Cursor<ND, NT> kc, rc;
-    kc.seek(K, K.m - 1, b / ncb);
-    int64_t w = b % ncb;
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t c0 = w * kb, n = n1 - c0 < kb ? n1 - c0 : kb;
-      for (int64_t j = 0; j < n; ++j) tot[j] = acc[j] = red_init<KIND>();
-      rc.seek(R, R.m, 0);
-      for (int64_t r = 0; r < rcount; ++r, rc.next(R, R.m)) {
-        char* q[NI];
-        for (int t = 0; t < NI; ++t) {
-          const int64_t sc = K.st[t][K.m - 1];
-          char* ptr = (char*)data[t] + (kc.off[t] + rc.off[t] + c0 * sc) * es[t];
-          q[t] = stg[t].input(es[t], ptr, buf[t], 1, n, 0, sc, n);
-        }
-        pro(n, q, v);
-        for (int64_t j = 0; j < n; ++j) acc[j] = red_op<KIND>(acc[j], v[j]);
-        if ((r & 255) == 255) {  // two-level sum keeps float32 error growth in check
-          for (int64_t j = 0; j < n; ++j) { tot[j] = red_op<KIND>(tot[j], acc[j]); acc[j] = red_init<KIND>(); }
-        }
+    for (int64_t j = 0; j < n; ++j) acc[j] = red_init<KIND>();
+    // Several rows per call when every input is dense over them or repeats one row.
+    bool tiles = R.m > 0;
+    for (int t = 0; t < NI && tiles; ++t) {
+      const int64_t sr = R.st[t][R.m - 1], sc = K.st[t][K.m - 1];
+      tiles = (sc == 1 || n == 1) && (sr == n || sr == 0);
+    }
+    const int64_t per = tiles ? (KB / n > 0 ? KB / n : 1) : 1;
+    Cursor<ND, NT> rc;
+    rc.seek(R, R.m, r0);
+    for (int64_t r = r0; r < r1;) {
+      int64_t rows = 1;
+      if (per > 1) {
+        const int64_t left = R.sz[R.m - 1] - rc.idx[R.m - 1];
+        rows = per < left ? per : left;
+        if (rows > r1 - r) rows = r1 - r;
       }
-      char* out = (char*)data[NI] + (kc.off[NI] + c0 * K.st[NI][K.m - 1]) * es[NI];
-      for (int64_t j = 0; j < n; ++j)
-        finish(red_op<KIND>(tot[j], acc[j]), out + j * K.st[NI][K.m - 1] * es[NI]);
-      if (++w == ncb) { w = 0; kc.next(K, K.m - 1); }
+      char* q[NI];
+      for (int t = 0; t < NI; ++t) {
+        const int64_t sc = K.st[t][K.m - 1], sr = R.m ? R.st[t][R.m - 1] : 0;
+        char* ptr = (char*)data[t] + (kc.off[t] + rc.off[t] + c0 * sc) * es[t];
+        q[t] = stg[t].input(es[t], ptr, buf[t], rows, n, sr, sc, n);
+      }
+      pro(rows * n, q, v);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* vi = v + i * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) acc[j] = red_op<KIND>(acc[j], vi[j]);
+      }
+      r += rows;
+      rc.advance(R, R.m, rows);
     }
   };
-  if (!go_parallel(numel, items)) { work(0, items); return; }
+  auto store = [&](const Cursor<ND, NT>& kc, int64_t c0, int64_t n, const float* tot) {
+    char* out = (char*)data[NI] + (kc.off[NI] + c0 * K.st[NI][K.m - 1]) * es[NI];
+    for (int64_t j = 0; j < n; ++j) finish(tot[j], out + j * K.st[NI][K.m - 1] * es[NI]);
+  };
+  // Too few output blocks to share among threads: the row chunks are shared, their sums kept
+  // (W floats each) and combined in chunk order afterwards.
+  const int64_t W = n1 < KB ? n1 : KB;
+  float* part = nullptr;
+  if (nch > 1 && blocks < 2 * omp_get_max_threads() && go_parallel(numel, blocks * nch))
+    part = (float*)std::malloc(sizeof(float) * blocks * nch * W);  // null: one block per thread
+  if (part == nullptr) {
+    auto work = [&](int64_t b, int64_t e) {
+      alignas(64) float acc[KB], tot[KB];
+      Cursor<ND, NT> kc;
+      kc.seek(K, K.m - 1, b / ncb);
+      int64_t w = b % ncb;
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t c0 = w * KB, n = n1 - c0 < KB ? n1 - c0 : KB;
+        for (int64_t j = 0; j < n; ++j) tot[j] = red_init<KIND>();
+        for (int64_t r0 = 0; r0 < rcount; r0 += RCHUNK) {
+          rows_sum(kc, c0, n, r0, r0 + RCHUNK < rcount ? r0 + RCHUNK : rcount, acc);
+          for (int64_t j = 0; j < n; ++j) tot[j] = red_op<KIND>(tot[j], acc[j]);
+        }
+        store(kc, c0, n, tot);
+        if (++w == ncb) { w = 0; kc.next(K, K.m - 1); }
+      }
+    };
+    if (!go_parallel(numel, blocks)) { work(0, blocks); return; }
 #pragma omp parallel
-  { int64_t b, e; chunk(items, 1, &b, &e); if (b < e) work(b, e); }
+    { int64_t b, e; chunk(blocks, 1, &b, &e); if (b < e) work(b, e); }
+    return;
+  }
+#pragma omp parallel
+  {
+    int64_t b, e;
+    chunk(blocks * nch, 1, &b, &e);
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t blk = it / nch, ch = it % nch, c0 = (blk % ncb) * KB, r0 = ch * RCHUNK;
+      Cursor<ND, NT> kc;
+      kc.seek(K, K.m - 1, blk / ncb);
+      rows_sum(kc, c0, n1 - c0 < KB ? n1 - c0 : KB, r0, r0 + RCHUNK < rcount ? r0 + RCHUNK : rcount,
+               part + it * W);
+    }
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    alignas(64) float tot[KB];
+    Cursor<ND, NT> kc;
+    kc.seek(K, K.m - 1, blk / ncb);
+    const int64_t c0 = (blk % ncb) * KB, n = n1 - c0 < KB ? n1 - c0 : KB;
+    for (int64_t j = 0; j < n; ++j) tot[j] = red_init<KIND>();
+    for (int64_t ch = 0; ch < nch; ++ch)
+      for (int64_t j = 0; j < n; ++j) tot[j] = red_op<KIND>(tot[j], part[(blk * nch + ch) * W + j]);
+    store(kc, c0, n, tot);
+  }
+  std::free(part);
 }
 
 // Layer norm of `rows` dense rows of `cols` elements: float32 statistics in two passes over
