@@ -349,19 +349,20 @@ def test_large_parallel_path_matches_single_thread(threads, dtype, layout):
 
 @pytest.mark.parametrize("dtype", [f32, bf16])
 def test_rows_dense_in_channels_with_padded_rows(threads, dtype):
-    # Channels innermost and dense, rows strided (a channels-last view of a wider buffer),
-    # per-channel scale and shift: a call per row on the tensors' own memory, 1 and 2 threads.
-    x = torch.empty(2, 17, 19, 48, dtype=dtype)[..., :40].permute(0, 3, 1, 2)
-    x.copy_(nchw(2, 40, 17, 19, dtype=dtype))
-    s, b = nchw(1, 40, 1, 1, dtype=dtype, seed=1), nchw(1, 40, 1, 1, dtype=dtype, seed=2)
+    # Channels innermost and dense (rows long enough for a call per row), rows strided (a
+    # channels-last view of a wider buffer), per-channel scale and shift: the kernel runs on
+    # the tensors' own memory, 1 and 2 threads, and leaves the padding alone.
+    x = torch.empty(2, 17, 19, 168, dtype=dtype)[..., :160].permute(0, 3, 1, 2)
+    x.copy_(nchw(2, 160, 17, 19, dtype=dtype))
+    s, b = nchw(1, 160, 1, 1, dtype=dtype, seed=1), nchw(1, 160, 1, 1, dtype=dtype, seed=2)
     ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
     for n in (1, 2):
         threads(n)
-        out = torch.full((2, 17, 19, 44), 7.0, dtype=dtype)
-        view = out[..., 2:42].permute(0, 3, 1, 2)
+        out = torch.full((2, 17, 19, 164), 7.0, dtype=dtype)
+        view = out[..., 2:162].permute(0, 3, 1, 2)
         CHAIN4[dtype].compile()(x.shape, [x, s, b], [view])
         assert torch.equal(view, ref), f"{n} threads"
-        assert (out[..., :2] == 7).all() and (out[..., 42:] == 7).all()  # padding untouched
+        assert (out[..., :2] == 7).all() and (out[..., 162:] == 7).all()  # padding untouched
 
 
 def test_broadcast_buffers_across_partial_tiles(threads):
