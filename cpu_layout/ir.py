@@ -28,6 +28,17 @@ VIEW = "view"
 DENSE = "dense"
 
 
+def is_residual(post_op) -> bool:
+    """A conv post-op that adds a tensor: ("add", buffer, or a call's tensor, or a placeholder)."""
+    return isinstance(post_op, tuple) and len(post_op) == 2 and post_op[0] == "add"
+
+
+def with_residuals(post_ops, residuals) -> list:
+    """`post_ops` with each residual's operand replaced, in order, by the next of `residuals`."""
+    it = iter(residuals)
+    return [("add", next(it)) if is_residual(p) else p for p in post_ops]
+
+
 @dataclass(eq=False)
 class Buffer:
     """One value of the graph: a tensor (size/dtype/eager_stride set) or a Python scalar."""
@@ -142,7 +153,12 @@ class Conv(Node):
 
     def residuals(self) -> List[Buffer]:
         """The buffers its ("add", buffer) post-ops add, in order."""
-        return [p[1] for p in self.post_ops if isinstance(p, tuple) and p[0] == "add"]
+        return [p[1] for p in self.post_ops if is_residual(p)]
+
+    def post_op_template(self, residual) -> list:
+        """Its post-ops with each residual post-op replaced by `residual`: what a call
+        lowering keeps, its residual tensors coming per call (`with_residuals`)."""
+        return [residual if is_residual(p) else p for p in self.post_ops]
 
     def activations(self) -> List[Buffer]:
         """What it reads as tensors in its layout: its input and its residuals

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from cpu_layout import ir
 from cpu_layout import layout as L
 from cpu_layout import ops
 from cpu_layout.op_table import RESHAPE_OPS
@@ -172,9 +173,8 @@ class ConvCall:
             node.stride, node.padding, node.dilation, node.groups)
         self.out_layout = "nhwc" if out_layout == L.CHANNELS_LAST else "nchw"
         # Post-ops as cpu_layout.ops takes them; residuals are passed per call.
-        self.post_template = [("add", None) if isinstance(p, tuple) and p[0] == "add" else p
-                              for p in node.post_ops]
-        self.n_residuals = sum(1 for p in self.post_template if isinstance(p, tuple) and p[0] == "add")
+        self.post_template = node.post_op_template(("add", None))
+        self.n_residuals = len(node.residuals())
         self.has_bias = node.bias is not None
         # Memoized: the same folded tensors come back while the sources are
         # unchanged, so the extension's reordered-weight cache keeps hitting.
@@ -198,8 +198,7 @@ class ConvCall:
                                    self.groups, self.aten_attr)
         post = self.post_template
         if self.n_residuals:
-            it = iter(rest)
-            post = [("add", next(it)) if isinstance(p, tuple) and p[0] == "add" else p for p in post]
+            post = ir.with_residuals(post, rest)
         return ops._run(self.nsp, x, w, b, self.stride, self.padding, self.dilation, self.groups,
                         post, self.out_layout, self.impl_rank)
 

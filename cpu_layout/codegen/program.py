@@ -306,8 +306,7 @@ class SegmentEncoder:
         dst_cl = int(n.out.layout == L.CHANNELS_LAST)
         wi = self.consts.index(n.weight)
         bi = self.consts.index(n.bias) if n.bias is not None else -1
-        post = [("add", torch.empty(0)) if isinstance(p, tuple) and p[0] == "add" else p for p in n.post_ops]
-        parsed = ops._parse_post_ops(post)
+        parsed = ops._parse_post_ops(n.post_op_template(("add", torch.empty(0))))
         residuals = n.residuals()
         x = self.read(n, n.x)
         res = [self.read(n, r) for r in residuals]

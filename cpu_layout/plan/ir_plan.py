@@ -61,8 +61,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
             add(pg.Conv(b.name, tensors([n.x] + residuals), b.size, b.dtype, in_size=n.x.size,
                         out_channels=b.size[1], kernel=tuple(k), stride=n.stride, padding=n.padding,
                         dilation=n.dilation, groups=n.groups, bias=n.bias is not None,
-                        post_ops=tuple("add" if isinstance(p, tuple) and p[0] == "add" else p
-                                       for p in n.post_ops)))
+                        post_ops=tuple(n.post_op_template("add"))))
         elif isinstance(n, ir.Pointwise):
             add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels))
         elif isinstance(n, ir.Reduction):
