@@ -652,11 +652,13 @@ POOLS = [((3, 3), (2, 2), (1, 1), (1, 1), False), ((3, 3), (2, 2), (1, 1), (1, 1
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k,s,p,d,ceil", POOLS)
-def test_pool_kernel_matches_aten(dtype, k, s, p, d, ceil):
+@pytest.mark.parametrize("channels", [37, 150])  # 150: two register-width blocks and a rest
+def test_pool_kernel_matches_aten(dtype, k, s, p, d, ceil, channels):
     from cpu_layout.codegen.cpp_kernels import PoolKernel
 
-    x = torch.randn(2, 37, 17, 13).to(dtype).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, channels, 17, 13).to(dtype).contiguous(memory_format=torch.channels_last)
     x[0, 3, 4, 5] = float("nan")  # max propagates NaN as ATen does
+    x[1, channels - 30, 6, 7] = float("nan")  # in the last block
     aten = torch.ops.aten
     cases = [("max", {}, aten.max_pool2d(x, k, s, p, d, ceil))]
     if d == (1, 1):

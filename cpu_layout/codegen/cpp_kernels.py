@@ -41,6 +41,7 @@ PREAMBLE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
+#include <type_traits>
 #include <omp.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -55,7 +56,7 @@ typedef uint16_t bf16;
 // reduction (outputs per block, or rows x outputs); RCHUNK: rows summed before they join the total;
 // ROW_MIN: the shortest rows a pointwise op runs one call per row on (shorter rows go in tiles:
 // a bf16 op over 32-channel rows took 137 us a call per row, 75 us in tiles; EPYC Zen 4).
-enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 1024, RCHUNK = 256, ROW_MIN = 128 };
+enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 1024, RCHUNK = 256, ROW_MIN = 128, PB = 64 };
 
 static inline float ld(float x) { return x; }
 static inline float ld(bf16 h) {
@@ -571,23 +572,35 @@ static void pool2d_nhwc(const int64_t* sz, const T* x, T* y, int64_t kh, int64_t
         cnt = (float)(div > 0 ? div : incl ? psize : (h1 - h0) * (w1 - w0));
       }
       T* yo = y + it * C;
-      for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
-        const int64_t nc = C - c0 < BLOCK ? C - c0 : BLOCK;
-        for (int64_t j = 0; j < nc; ++j) acc[j] = KIND == 0 ? -INFINITY : 0.f;
+      const bool empty = KIND == 1 && (h0 >= h1 || w0 >= w1);
+      // Channels PB at a time, a width known to the compiler, so the accumulators stay in
+      // registers across the window (they went through memory at every tap: 3x3/2 max pooling
+      // of 128x55x55 fp32 72 -> 43 us, 64x111x111 bf16 211 -> 168 us; EPYC Zen 4); the rest
+      // of the channels in runtime-width blocks.
+      auto block = [&](int64_t c0, auto width) {
+        constexpr int64_t NB = decltype(width)::value;
+        const int64_t nc = NB > 0 ? NB : C - c0;
+        float a[NB > 0 ? NB : BLOCK];
+        float* acc_ = NB > 0 ? a : acc;
+#pragma omp simd
+        for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) acc_[j] = KIND == 0 ? -INFINITY : 0.f;
         for (int64_t ih = h0; ih < h1; ih += sth)
           for (int64_t iw = w0; iw < w1; iw += stw) {
             const T* xi = x + ((n * H + ih) * W + iw) * C + c0;
 #pragma omp simd
-            for (int64_t j = 0; j < nc; ++j) {
+            for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) {
               const float v = ld(xi[j]);
-              acc[j] = KIND == 0 ? max_(v, acc[j]) : acc[j] + v;
+              acc_[j] = KIND == 0 ? max_(v, acc_[j]) : acc_[j] + v;
             }
           }
-        const bool empty = KIND == 1 && (h0 >= h1 || w0 >= w1);
 #pragma omp simd
-        for (int64_t j = 0; j < nc; ++j)
-          yo[c0 + j] = cvt<T>(KIND == 0 ? acc[j] : empty ? 0.f : acc[j] / cnt);
-      }
+        for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j)
+          yo[c0 + j] = cvt<T>(KIND == 0 ? acc_[j] : empty ? 0.f : acc_[j] / cnt);
+      };
+      int64_t c0 = 0;
+      for (; c0 + PB <= C; c0 += PB) block(c0, std::integral_constant<int64_t, PB>());
+      for (; c0 < C; c0 += BLOCK)
+        block(c0, std::integral_constant<int64_t, 0>());
     }
   };
   if (!go_parallel(items * C, items)) { work(0, items); return; }
