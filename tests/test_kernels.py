@@ -673,6 +673,27 @@ def test_pool_kernel_matches_aten(dtype, k, s, p, d, ceil, channels):
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
 
 
+def test_bf16_max_pool_special_values():
+    # bf16 max pooling compares order keys of the bits: infinities, zeros of either sign,
+    # NaNs of either sign and the largest finite values must come out as ATen's.
+    from cpu_layout.codegen.cpp_kernels import PoolKernel
+
+    x = torch.randn(1, 70, 9, 9).to(torch.bfloat16)
+    bits = x.view(torch.int16)
+    specials = [0x7F80, 0xFF80, 0x0000, 0x8000, 0x7FC1, 0xFFC1, 0x7F7F, 0xFF7F, 0x0001, 0x8001]
+    g = torch.Generator().manual_seed(5)
+    for v in specials:
+        idx = torch.randint(0, x.numel(), (12,), generator=g)
+        bits.view(-1)[idx] = torch.tensor(v, dtype=torch.int32).to(torch.int16)
+    x[0, :, 0:3, 0:3] = float("-inf")  # a window of only -inf
+    x[0, 5, 3:6, 3:6] = -0.0  # a window of only negative zeros: the value is zero
+    x = x.contiguous(memory_format=torch.channels_last)
+    ref = torch.ops.aten.max_pool2d(x, (3, 3), (3, 3))
+    out = torch.empty(ref.shape, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    PoolKernel(torch.bfloat16, "max", (3, 3), (3, 3), (0, 0)).compile()(x, out)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+
+
 def test_pool_kernel_refuses_other_layouts():
     from cpu_layout.codegen.cpp_kernels import PoolKernel
 
