@@ -190,6 +190,15 @@ def test_op_float32(op_results, name):
         torch.testing.assert_close(outs[name], ref, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_relu_keeps_eagers_signed_zero_and_nan(op_results, dtype):
+    # relu(-0) is -0 in eager, and a NaN keeps its bits; compared bit for bit.
+    (x, _, _), outs = op_results[dtype]
+    ref = torch.relu(x)
+    itype = torch.int32 if dtype == f32 else torch.int16
+    assert torch.equal(outs["relu"].view(itype), ref.view(itype))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_op_bfloat16(op_results, name):
     (x, y, z), outs = op_results[bf16]

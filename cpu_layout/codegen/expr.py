@@ -82,7 +82,7 @@ OPS = {
     "sqrt": ElementOp(1, "std::sqrt({0})", aten=(_aten.sqrt.default,)),
     "rsqrt": ElementOp(1, "1.f / std::sqrt({0})", aten=(_aten.rsqrt.default,)),
     "reciprocal": ElementOp(1, "1.f / {0}", aten=(_aten.reciprocal.default,)),
-    "relu": ElementOp(1, "cl::max_({0}, 0.f)", aten=(_aten.relu.default,), post_op=_named("relu")),
+    "relu": ElementOp(1, "cl::relu({0})", aten=(_aten.relu.default,), post_op=_named("relu")),
     "sigmoid": ElementOp(1, "cl::sigmoid({0})", aten=(_aten.sigmoid.default,), vector_math=True,
                          post_op=_named("sigmoid")),
     "tanh": ElementOp(1, "std::tanh({0})", aten=(_aten.tanh.default,), vector_math=True,
