@@ -465,10 +465,11 @@ static void reduction(const int64_t* sizes, void* const* data, const int64_t* st
     for (int64_t j = 0; j < n; ++j) finish(tot[j], out + j * K.st[NI][K.m - 1] * es[NI]);
   };
   // Too few output blocks to share among threads: the row chunks are shared, their sums kept
-  // (W floats each) and combined in chunk order afterwards.
+  // (W floats each, up to 16 MB in all) and combined in chunk order afterwards.
   const int64_t W = n1 < KB ? n1 : KB;
   float* part = nullptr;
-  if (nch > 1 && blocks < 2 * omp_get_max_threads() && go_parallel(numel, blocks * nch))
+  if (nch > 1 && blocks < 2 * omp_get_max_threads() && blocks * nch * W <= (int64_t(1) << 22) &&
+      go_parallel(numel, blocks * nch))
     part = (float*)std::malloc(sizeof(float) * blocks * nch * W);  // null: one block per thread
   if (part == nullptr) {
     auto work = [&](int64_t b, int64_t e) {
