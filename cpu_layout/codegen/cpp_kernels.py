@@ -460,9 +460,19 @@ static void reduction(const int64_t* sizes, void* const* data, const int64_t* st
       rc.advance(R, R.m, rows);
     }
   };
+  // Block b: outputs [c0, c0 + n) of kept position kc; its total from the chunk sums in order.
+  auto locate = [&](int64_t b, Cursor<ND, NT>& kc, int64_t& c0, int64_t& n) {
+    kc.seek(K, K.m - 1, b / ncb);
+    c0 = (b % ncb) * KB;
+    n = n1 - c0 < KB ? n1 - c0 : KB;
+  };
   auto store = [&](const Cursor<ND, NT>& kc, int64_t c0, int64_t n, const float* tot) {
     char* out = (char*)data[NI] + (kc.off[NI] + c0 * K.st[NI][K.m - 1]) * es[NI];
     for (int64_t j = 0; j < n; ++j) finish(tot[j], out + j * K.st[NI][K.m - 1] * es[NI]);
+  };
+  auto chunk_rows = [&](int64_t ch, int64_t& r0, int64_t& r1) {
+    r0 = ch * RCHUNK;
+    r1 = r0 + RCHUNK < rcount ? r0 + RCHUNK : rcount;
   };
   // Too few output blocks to share among threads: the row chunks are shared, their sums kept
   // (W floats each, up to 16 MB in all) and combined in chunk order afterwards.
@@ -471,49 +481,46 @@ static void reduction(const int64_t* sizes, void* const* data, const int64_t* st
   if (nch > 1 && blocks < 2 * omp_get_max_threads() && blocks * nch * W <= (int64_t(1) << 22) &&
       go_parallel(numel, blocks * nch))
     part = (float*)std::malloc(sizeof(float) * blocks * nch * W);  // null: one block per thread
-  if (part == nullptr) {
-    auto work = [&](int64_t b, int64_t e) {
-      alignas(64) float acc[KB], tot[KB];
-      Cursor<ND, NT> kc;
-      kc.seek(K, K.m - 1, b / ncb);
-      int64_t w = b % ncb;
+  if (part != nullptr) {
+#pragma omp parallel
+    {
+      int64_t b, e;
+      chunk(blocks * nch, 1, &b, &e);
       for (int64_t it = b; it < e; ++it) {
-        const int64_t c0 = w * KB, n = n1 - c0 < KB ? n1 - c0 : KB;
-        for (int64_t j = 0; j < n; ++j) tot[j] = red_init<KIND>();
-        for (int64_t r0 = 0; r0 < rcount; r0 += RCHUNK) {
-          rows_sum(kc, c0, n, r0, r0 + RCHUNK < rcount ? r0 + RCHUNK : rcount, acc);
-          for (int64_t j = 0; j < n; ++j) tot[j] = red_op<KIND>(tot[j], acc[j]);
-        }
-        store(kc, c0, n, tot);
-        if (++w == ncb) { w = 0; kc.next(K, K.m - 1); }
+        Cursor<ND, NT> kc;
+        int64_t c0, n, r0, r1;
+        locate(it / nch, kc, c0, n);
+        chunk_rows(it % nch, r0, r1);
+        rows_sum(kc, c0, n, r0, r1, part + it * W);
       }
-    };
-    if (!go_parallel(numel, blocks)) { work(0, blocks); return; }
-#pragma omp parallel
-    { int64_t b, e; chunk(blocks, 1, &b, &e); if (b < e) work(b, e); }
-    return;
-  }
-#pragma omp parallel
-  {
-    int64_t b, e;
-    chunk(blocks * nch, 1, &b, &e);
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t blk = it / nch, ch = it % nch, c0 = (blk % ncb) * KB, r0 = ch * RCHUNK;
-      Cursor<ND, NT> kc;
-      kc.seek(K, K.m - 1, blk / ncb);
-      rows_sum(kc, c0, n1 - c0 < KB ? n1 - c0 : KB, r0, r0 + RCHUNK < rcount ? r0 + RCHUNK : rcount,
-               part + it * W);
     }
   }
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    alignas(64) float tot[KB];
-    Cursor<ND, NT> kc;
-    kc.seek(K, K.m - 1, blk / ncb);
-    const int64_t c0 = (blk % ncb) * KB, n = n1 - c0 < KB ? n1 - c0 : KB;
-    for (int64_t j = 0; j < n; ++j) tot[j] = red_init<KIND>();
-    for (int64_t ch = 0; ch < nch; ++ch)
-      for (int64_t j = 0; j < n; ++j) tot[j] = red_op<KIND>(tot[j], part[(blk * nch + ch) * W + j]);
-    store(kc, c0, n, tot);
+  auto work = [&](int64_t b, int64_t e) {  // blocks [b, e): totals, then the outputs
+    alignas(64) float acc[KB], tot[KB];
+    for (int64_t blk = b; blk < e; ++blk) {
+      Cursor<ND, NT> kc;
+      int64_t c0, n;
+      locate(blk, kc, c0, n);
+      for (int64_t j = 0; j < n; ++j) tot[j] = red_init<KIND>();
+      for (int64_t ch = 0; ch < nch; ++ch) {
+        const float* sum = acc;
+        if (part != nullptr) {
+          sum = part + (blk * nch + ch) * W;
+        } else {
+          int64_t r0, r1;
+          chunk_rows(ch, r0, r1);
+          rows_sum(kc, c0, n, r0, r1, acc);
+        }
+        for (int64_t j = 0; j < n; ++j) tot[j] = red_op<KIND>(tot[j], sum[j]);
+      }
+      store(kc, c0, n, tot);
+    }
+  };
+  if (part != nullptr || !go_parallel(numel, blocks)) {
+    work(0, blocks);
+  } else {
+#pragma omp parallel
+    { int64_t b, e; chunk(blocks, 1, &b, &e); if (b < e) work(b, e); }
   }
   std::free(part);
 }
@@ -599,46 +606,38 @@ static void pool2d_nhwc(const int64_t* sz, const T* x, T* y, int64_t kh, int64_t
       // registers across the window (they went through memory at every tap: 3x3/2 max pooling
       // of 128x55x55 fp32 72 -> 43 us; with bf16 order keys, 64x111x111 bf16 211 -> 104 us;
       // EPYC Zen 4); fewer than PB channels left in one runtime-width block.
-      auto block = [&](int64_t c0, auto width) {
+      // One window pass: accumulators of init's type, `load` turns an element into one,
+      // `add` combines, `out` makes the output element.
+      auto block = [&](int64_t c0, auto width, auto init, auto load, auto add, auto out) {
         constexpr int64_t NB = decltype(width)::value;
         const int64_t nc = NB > 0 ? NB : C - c0;
+        decltype(init) a[NB > 0 ? NB : PB];
+#pragma omp simd
+        for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) a[j] = init;
+        for (int64_t ih = h0; ih < h1; ih += sth)
+          for (int64_t iw = w0; iw < w1; iw += stw) {
+            const T* xi = x + ((n * H + ih) * W + iw) * C + c0;
+#pragma omp simd
+            for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) a[j] = add(a[j], load(xi[j]));
+          }
+#pragma omp simd
+        for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) yo[c0 + j] = out(a[j]);
+      };
+      auto pass = [&](int64_t c0, auto width) {
         if constexpr (KIND == 0 && std::is_same<T, bf16>::value) {
           // bf16 max on order keys, 32 lanes a vector instead of 16 floats (see max_key).
-          int16_t a[NB > 0 ? NB : PB];
-#pragma omp simd
-          for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) a[j] = MAX_KEY_INIT;
-          for (int64_t ih = h0; ih < h1; ih += sth)
-            for (int64_t iw = w0; iw < w1; iw += stw) {
-              const T* xi = x + ((n * H + ih) * W + iw) * C + c0;
-#pragma omp simd
-              for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) {
-                const int16_t k = max_key(xi[j]);
-                a[j] = k > a[j] ? k : a[j];
-              }
-            }
-#pragma omp simd
-          for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) yo[c0 + j] = of_max_key(a[j]);
+          block(c0, width, (int16_t)MAX_KEY_INIT, [](bf16 h) { return max_key(h); },
+                [](int16_t m, int16_t k) { return k > m ? k : m; },
+                [](int16_t m) { return of_max_key(m); });
         } else {
-          float a[NB > 0 ? NB : PB];
-#pragma omp simd
-          for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) a[j] = KIND == 0 ? -INFINITY : 0.f;
-          for (int64_t ih = h0; ih < h1; ih += sth)
-            for (int64_t iw = w0; iw < w1; iw += stw) {
-              const T* xi = x + ((n * H + ih) * W + iw) * C + c0;
-#pragma omp simd
-              for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j) {
-                const float v = ld(xi[j]);
-                a[j] = KIND == 0 ? max_(v, a[j]) : a[j] + v;
-              }
-            }
-#pragma omp simd
-          for (int64_t j = 0; j < (NB > 0 ? NB : nc); ++j)
-            yo[c0 + j] = cvt<T>(KIND == 0 ? a[j] : empty ? 0.f : a[j] / cnt);
+          block(c0, width, KIND == 0 ? -INFINITY : 0.f, [](T v) { return ld(v); },
+                [](float m, float v) { return KIND == 0 ? max_(v, m) : m + v; },
+                [&](float m) { return cvt<T>(KIND == 0 ? m : empty ? 0.f : m / cnt); });
         }
       };
       int64_t c0 = 0;
-      for (; c0 + PB <= C; c0 += PB) block(c0, std::integral_constant<int64_t, PB>());
-      if (c0 < C) block(c0, std::integral_constant<int64_t, 0>());  // fewer than PB left
+      for (; c0 + PB <= C; c0 += PB) pass(c0, std::integral_constant<int64_t, PB>());
+      if (c0 < C) pass(c0, std::integral_constant<int64_t, 0>());  // fewer than PB left
     }
   };
   if (!go_parallel(items * C, items)) { work(0, items); return; }
