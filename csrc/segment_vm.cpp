@@ -293,7 +293,9 @@ void Run::reduction() {
 void Run::layer_norm() {
   const int64_t out = A(), ki = A(), x = A(), nd = A(), n_norm = A();
   const int64_t w = A(), w_msg = A(), b = A(), b_msg = A(), es = A(), fresh = A();
-  const H& xv = R(x);
+  // The plan reads a slice of a contiguous buffer as it is; the kernel walks dense rows.
+  H tmp;
+  const H& xv = clw::ordered(R(x), false, tmp);
   const int64_t* xs = clw::sizes(xv);
   int64_t rc[2] = {1, 1};
   for (int64_t d = 0; d < nd; ++d) rc[d < nd - n_norm ? 0 : 1] *= xs[d];

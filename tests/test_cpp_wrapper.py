@@ -802,3 +802,33 @@ def test_an_element_of_a_tuple_of_module_state_is_module_state(grad_mode):
         model.weight.mul_(2.0)  # the standardised weight is recomputed, once
         y2, ref2 = fn(x), model(x)
     torch.testing.assert_close(y2, ref2, rtol=1e-4, atol=1e-4)
+
+
+class NormOfASlice(nn.Module):
+    """layer_norm of a chunk along the normalised dim: a slice of a contiguous
+    buffer, which the plan reads as it is (no copy planned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        a, b = x.relu().chunk(2, dim=-1)
+        return self.norm(a) + b
+
+
+@pytest.mark.parametrize("cpp", [False, True])
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_layer_norm_of_a_slice_reads_the_slice(cpp, grad_mode):
+    """The segment's layer_norm walked dense rows of the slice's storage (every
+    other half-row of its parent) until it made the slice dense first."""
+    model = NormOfASlice().eval()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 2.0)
+        model.norm.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(4, 6, 16)
+    with _compiled_region(grad_mode):
+        ref = model(x)
+        y = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert y.shape == ref.shape and y.stride() == ref.stride()
