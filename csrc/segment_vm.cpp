@@ -401,7 +401,10 @@ void Run::run(uintptr_t* out) {
         const int64_t o = A(), ki = A(), x = A(), ceil = A();
         const int64_t* w = P(8);
         const int64_t es = A(), fresh = A();
-        const H& xv = R(x);
+        // A slice along channels of a channels-last buffer is in order but not dense:
+        // the kernel walks dense pixels.
+        H tmp;
+        const H& xv = clw::ordered(R(x), true, tmp);
         const int64_t* xs = clw::sizes(xv);
         int64_t od[2];
         for (int d = 0; d < 2; ++d) {

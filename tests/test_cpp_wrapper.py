@@ -832,3 +832,29 @@ def test_layer_norm_of_a_slice_reads_the_slice(cpp, grad_mode):
         y = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})(x)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert y.shape == ref.shape and y.stride() == ref.stride()
+
+
+class PoolOfAPiece(nn.Module):
+    """Max and average pooling of the two channel halves of a conv's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 32, 3, padding=1)
+
+    def forward(self, x):
+        a, b = self.conv(x).chunk(2, dim=1)
+        return F.max_pool2d(a, 3, 2, 1) + F.avg_pool2d(b, 3, 2, 1)
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_pooling_a_channel_slice_of_a_channels_last_input(grad_mode):
+    """With a channels-last input each half is a slice in channels-last order (no
+    copy planned); the generated pool walked it as if dense until the segment
+    made it dense first."""
+    model = PoolOfAPiece().eval()
+    x = torch.randn(2, 8, 12, 12).to(memory_format=torch.channels_last)
+    with _compiled_region(grad_mode):
+        ref = model(x)
+        y = compile_cpp(model)(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert y.shape == ref.shape and y.stride() == ref.stride()
