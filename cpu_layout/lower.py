@@ -521,8 +521,29 @@ class Lowering:
                 self.g.add(ir.Output("output", ir.values_of(vals), None, values=vals))
             else:
                 raise NotImplementedError(f"FX node kind {n.op}")
+        drop_clones(self.g)
         self.g.remove_dead()  # e.g. index ramps a recognised upsample no longer reads
         return self.g
+
+
+def drop_clones(g: ir.Graph) -> None:
+    """A clone that keeps its input's memory format and is no graph output is
+    its input: the graph is functional, so nothing can tell the two apart
+    (timm's eval-mode Dropout(0) exports as one after each MLP conv, a full
+    copy of the activation). Kept: a clone of a graph input (an input mutation
+    later in the graph would show through) and an explicit memory format."""
+    outputs = set(ir.values_of(g.output.values)) if g.output is not None else set()
+    for n in list(g.nodes):
+        if not (isinstance(n, ir.Aten) and n.target is aten.clone.default and len(n.args) == 1
+                and n.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format
+                and set(n.kwargs) <= {"memory_format"}):
+            continue
+        src = n.args[0]
+        if (not isinstance(src, ir.Buffer) or not src.is_tensor or n.out in outputs
+                or isinstance(src.producer, ir.Input) or src.producer is None):
+            continue
+        g.replace_all_uses(n.out, src)
+        g.remove(n)
 
 
 def lower(gm: torch.fx.GraphModule, param_indices: Iterable[int]) -> ir.Graph:

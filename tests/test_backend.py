@@ -377,3 +377,41 @@ def test_restride_gives_torchs_strides_for_size1_dims():
     z = torch.randn(2, 4, 3, 3)  # a real mismatch is copied, not re-strided
     w = runtime.restride(z, "channels_last")
     assert w.is_contiguous(memory_format=torch.channels_last) and torch.equal(w, z)
+
+
+class Clones(nn.Module):
+    """A clone between two convs (eval-mode Dropout as torch.export writes it), a
+    clone of the input, and a clone that is an output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(4, 8, 1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.a(x.clone()).relu().clone()
+        z = self.b(y)
+        return z * 2, z.clone()
+
+
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_a_clone_inside_the_graph_is_its_input(in_format, compiled_graphs):
+    """The inner clone is dropped (no copy of the activation); the clone of the
+    input and the returned clone stay, so the output is no alias of another."""
+    x = torch.randn(2, 4, 9, 9)
+    if in_format == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    model = Clones().eval()
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode():
+            fn, (y, c), (ry, rc) = run_both(model, x)
+            y, c = fn(x)
+        assert_matches(y, ry)
+        assert_matches(c, rc)
+        assert c.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+        clones = [n for n in compiled_graphs[0].cpu_layout_graph.walk()
+                  if isinstance(n, ir.Aten) and n.target is torch.ops.aten.clone.default]
+        assert len(clones) == 2, [n.args[0].producer for n in clones]
+        assert {type(n.args[0].producer).__name__ for n in clones} == {"Input", "Conv"}
