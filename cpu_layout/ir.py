@@ -204,21 +204,37 @@ class Reduction(Node):
 
 
 @dataclass(eq=False)
-class LayerNorm(Node):
-    """layer_norm over the last `n_norm` dims (a generated kernel, float32
-    statistics): reads x contiguous, writes contiguous as ATen does.
-    inputs: [x, weight?, bias?]."""
+class Norm(Node):
+    """A normalisation on a generated kernel with float32 statistics:
+    inputs [x, weight?, bias?]; weight and bias of x's dtype or float32."""
 
     x: Buffer = None
     weight: Optional[Buffer] = None
     bias: Optional[Buffer] = None
-    n_norm: int = 1
     eps: float = 1e-5
+
+
+@dataclass(eq=False)
+class LayerNorm(Norm):
+    """layer_norm over the last `n_norm` dims: reads x contiguous, writes
+    contiguous as ATen does."""
+
+    n_norm: int = 1
     aten: Optional[tuple] = None  # (target, args, kwargs) of native_layer_norm, for empty inputs
     rule: str = DENSE
 
     def dense_inputs(self) -> List[Buffer]:
         return [self.x]
+
+
+@dataclass(eq=False)
+class GroupNorm(Norm):
+    """group_norm of [N, C, *] in `groups` groups: reads x contiguous or dense
+    with channels innermost and writes the same order (FOLLOW: x is converted
+    to the plan's layout of the result, as ATen keeps a channels-last input's)."""
+
+    groups: int = 1
+    rule: str = FOLLOW
 
 
 @dataclass(eq=False)

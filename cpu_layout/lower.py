@@ -218,6 +218,30 @@ class Lowering:
                                 aten=(n.target, self._arg(n.args), self._arg(n.kwargs))))
         return _Picked({0: out})
 
+    def _group_norm(self, n: FxNode):
+        """native_group_norm whose mean/rstd nothing reads: a GroupNorm node,
+        when eager's result is in its input's order (contiguous, or channels-last
+        for 4-D/5-D: what the kernel writes)."""
+        x, w, b, _n, c, _hxw, groups, eps = n.args
+        xv, out_v = self._val(x), self._val(n)[0]
+        used = {u.args[1] for u in n.users if u.target is operator.getitem}
+        params = {self._val(a).dtype for a in (w, b) if a is not None}
+        order = self.env[x].eager_order()
+        if (xv.dtype not in _FLOAT or used - {0} or len(used) != len(n.users) or xv.dim() < 2
+                or type(groups) is not int or type(c) is not int or groups <= 0 or c % groups
+                or len(params) > 1 or params - {xv.dtype, torch.float32} or out_v.dtype != xv.dtype
+                or order not in (L.CONTIGUOUS, L.CHANNELS_LAST)
+                or (order == L.CHANNELS_LAST and xv.dim() not in (4, 5))
+                or not L.is_in_order(tuple(out_v.shape), tuple(out_v.stride()), order)):
+            return self._aten(n, ir.EAGER)
+        out = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
+        xb = self.env[x]
+        wb = self.env[w] if w is not None else None
+        bb = self.env[b] if b is not None else None
+        self.g.add(ir.GroupNorm(n.name, [xb] + [t for t in (wb, bb) if t is not None], out, x=xb,
+                                weight=wb, bias=bb, groups=groups, eps=float(eps)))
+        return _Picked({0: out})
+
     def _linear_as_conv(self, n: FxNode):
         """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights: a 1x1 conv on
         oneDNN (a GEMM over channels with fused bias and post-ops). [M, K]
@@ -425,6 +449,8 @@ class Lowering:
             return self._batch_norm(n)
         if t is aten.native_layer_norm.default:
             return self._layer_norm(n)
+        if t is aten.native_group_norm.default:
+            return self._group_norm(n)
         rule = T.rule_of(t)
         if rule == ir.VIEW:
             return self._aten(n, ir.VIEW)

@@ -300,6 +300,31 @@ class LayerNormCall:
         return out
 
 
+class GroupNormCall:
+    """group_norm on the generated kernel: x in the plan's layout (contiguous or
+    channels-last), the result in the same order."""
+
+    def __init__(self, kernel, compiled, groups: int, order):
+        self.kernel = kernel
+        self.compiled = compiled
+        self.groups = groups
+        self.order = order if order in L.LABELS else L.CONTIGUOUS
+
+    def __call__(self, x, *params):
+        from cpu_layout.codegen.cpp_kernels import channels_innermost
+
+        k = self.kernel
+        cl = channels_innermost(x)
+        if cl is None:  # a slice, or eager's strides of another order: made dense, counted
+            x = to_order(x, self.order)
+            cl = channels_innermost(x)
+        out = torch.empty_like(x)  # dense x: the same strides
+        self.compiled.call_unchecked(k.sizes_of(tuple(x.shape), self.groups, cl),
+                                     [x, *[t.contiguous() for t in params], out,
+                                      k.workspace(tuple(x.shape))], [])
+        return out
+
+
 class PoolCall:
     """A max/avg pool on the generated channels-last kernel (input channels-last:
     the plan's read)."""

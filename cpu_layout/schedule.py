@@ -114,23 +114,26 @@ def _flat(v):
 def generated(nodes):
     """The nodes that run as generated kernels, and their kernels."""
     pairs = [(n, kernel_spec(n)) for n in nodes
-             if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm, ir.Aten))]
+             if isinstance(n, (ir.Kernel, ir.Reduction, ir.Norm, ir.Aten))]
     pairs = [(n, k) for n, k in pairs if k is not None]
     return [n for n, _ in pairs], [k for _, k in pairs]
 
 
 def kernel_spec(n: ir.Node):
-    """The generated kernel that runs a Kernel, Reduction or LayerNorm node,
+    """The generated kernel that runs a Kernel, Reduction or Norm node,
     or a pool (None for an ATen op without one)."""
     from cpu_layout.codegen import expr as E
-    from cpu_layout.codegen.cpp_kernels import LayerNormKernel, PointwiseKernel, ReductionKernel
+    from cpu_layout.codegen.cpp_kernels import (GroupNormKernel, LayerNormKernel, PointwiseKernel,
+                                                ReductionKernel)
 
     if isinstance(n, ir.Aten):
         return pool_kernel(n)
-    if isinstance(n, ir.LayerNorm):
+    if isinstance(n, ir.Norm):
         params = [b.dtype for b in (n.weight, n.bias) if b is not None]
-        return LayerNormKernel(n.x.dtype, n.n_norm, n.weight is not None, n.bias is not None, n.eps,
-                               params[0] if params else None)
+        affine = (n.weight is not None, n.bias is not None, n.eps, params[0] if params else None)
+        if isinstance(n, ir.GroupNorm):
+            return GroupNormKernel(n.x.dtype, *affine)
+        return LayerNormKernel(n.x.dtype, n.n_norm, *affine)
     if isinstance(n, ir.Kernel):
         return PointwiseKernel([b.dtype for b in n.inputs], [(n.expr, n.out.dtype)], n.out.rank)
     return ReductionKernel(n.inputs[0].dtype, E.Load(0), n.kind, n.inputs[0].rank, n.dims,
@@ -193,6 +196,8 @@ def bind(g: ir.Graph, extra_kernels=()):
             runners[n] = runtime.KernelCall(c, n.out.dtype, n.out.layout, n.out.rank)
         elif isinstance(n, ir.LayerNorm):
             runners[n] = runtime.LayerNormCall(spec, c, n.aten)
+        elif isinstance(n, ir.GroupNorm):
+            runners[n] = runtime.GroupNormCall(spec, c, n.groups, n.out.layout)
         elif isinstance(n, ir.Aten):
             runners[n] = runtime.PoolCall(spec, c)
         else:

@@ -35,7 +35,7 @@ from cpu_layout.codegen import sizes as S
 def runs_in_cpp(n: ir.Node) -> bool:
     """THE rule: a node runs inside a C++ segment when it is
     - a convolution on constant float weights (the extension's oneDNN path),
-    - a fused element-wise kernel or a reduction (generated code),
+    - a fused element-wise kernel, a reduction or a normalisation (generated code),
     - an ATen call whose entry in op_table.OPS has a C++ form and admits it
       (libtorch's C shim or csrc/cl_wrapper.h; float tensors, static
       arguments, sizes that print as C++).
@@ -50,7 +50,7 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return all(T.float_tensor(b) for b in n.inputs) and n.out.rank <= 16
     if isinstance(n, ir.Reduction):
         return T.float_tensor(n.inputs[0])
-    if isinstance(n, ir.LayerNorm):
+    if isinstance(n, ir.Norm):
         return all(T.float_tensor(b) for b in n.inputs)
     if isinstance(n, ir.Getitem):  # a piece of a split a segment runs
         src = n.inputs[0].producer

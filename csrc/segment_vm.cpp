@@ -28,7 +28,7 @@ enum Op : int64_t {
   EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
   REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
   MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
-  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, N_OPS
+  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, N_OPS
 };
 
 // Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
@@ -112,6 +112,7 @@ class Run {
   void kernel();
   void reduction();
   void layer_norm();
+  void group_norm();
 };
 
 int64_t Run::expr() {
@@ -314,6 +315,41 @@ void Run::layer_norm() {
   set(out, std::move(t));
 }
 
+// GROUP_NORM out kernel x cl groups w(-1) w_msg b(-1) b_msg chunk es fresh: x read dense,
+// contiguous or with channels innermost (cl: the plan's), the result in the same order.
+void Run::group_norm() {
+  const int64_t out = A(), ki = A(), x = A(), cl = A(), groups = A();
+  const int64_t w = A(), w_msg = A(), b = A(), b_msg = A(), chunk = A(), es = A(), fresh = A();
+  H tmp;
+  const H* xp = &R(x);
+  bool xcl = false;
+  if (clw::dense_in(*xp, false)) xcl = false;
+  else if (clw::dim(*xp) >= 3 && clw::dense_in(*xp, true)) xcl = true;
+  else { tmp = clw::copy_in_order(*xp, cl != 0); xp = &tmp; xcl = cl != 0; }  // a slice: counted
+  const H& xv = *xp;
+  const int nd = (int)clw::dim(xv);
+  const int64_t* xs = clw::sizes(xv);
+  int64_t positions = 1;
+  for (int d = 2; d < nd; ++d) positions *= xs[d];
+  const int64_t sz[6] = {xs[0], xs[1], positions, groups, xcl ? 1 : 0, chunk};
+  H t = alloc(fresh, nd, xs, xcl, (int)es);
+  const int64_t wsz[1] = {xs[0] * xs[1] * ((positions + chunk - 1) / chunk + 3)};  // GroupNormKernel.workspace
+  H work = clw::empty_dense(1, wsz, false, 4);
+  void* data[5];
+  int n = 0;
+  data[n++] = clw::data(xv);
+  for (const int64_t* pm : {&w, &b}) {
+    if (*pm < 0) continue;
+    const H& p = R(*pm);
+    if (clw::numel(p) != xs[1] || !clw::dense_in(p, false)) fail(S(pm == &w ? w_msg : b_msg));
+    data[n++] = clw::data(p);
+  }
+  data[n++] = clw::data(t);
+  data[n++] = clw::data(work);
+  p_.kernels[(size_t)ki](sz, data, nullptr);
+  set(out, std::move(t));
+}
+
 void Run::run(uintptr_t* out) {
   const int64_t* code = p_.code.data();
   const int64_t ncode = (int64_t)p_.code.size();
@@ -365,6 +401,7 @@ void Run::run(uintptr_t* out) {
       case KERNEL: kernel(); break;
       case REDUCTION: reduction(); break;
       case LAYER_NORM: layer_norm(); break;
+      case GROUP_NORM: group_norm(); break;
       case RESHAPE: {  // out x rank (expr)*rank
         const int64_t o = A(), x = A(), rank = A();
         if (rank > 16) fail("segment program: more than 16 dims");

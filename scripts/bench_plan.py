@@ -21,7 +21,7 @@ def resnet_like(n_convs: int, batch: int = 8) -> Graph:
     g = Graph()
     x = g.input("x", (batch, 3, 224, 224))
     y = g.pool(g.pointwise(g.batchnorm(g.conv(x, 64, 7, stride=2, padding=3)), op="relu"), 3, 2, 1)
-    c, hw, block = 64, 56, 0
+    c, block = 64, 0
     while len(g.of_kind("conv")) < n_convs - 1:
         stage = min(block // 12, 3)
         width, out = 128 * 2 ** stage, 256 * 2 ** stage

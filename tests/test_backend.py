@@ -415,3 +415,50 @@ def test_a_clone_inside_the_graph_is_its_input(in_format, compiled_graphs):
                   if isinstance(n, ir.Aten) and n.target is torch.ops.aten.clone.default]
         assert len(clones) == 2, [n.args[0].producer for n in clones]
         assert {type(n.args[0].producer).__name__ for n in clones} == {"Input", "Conv"}
+
+
+class PoolFormerish(nn.Module):
+    """Group norm as CNNs use it: after a conv (32 groups of 2 channels, then one
+    group), around a pooling token mixer, with a residual; and over a 3-D tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 3, padding=1)
+        self.norm1 = nn.GroupNorm(32, 64)
+        self.norm2 = nn.GroupNorm(1, 64)
+        self.norm3 = nn.GroupNorm(4, 64, affine=False)
+        self.mlp = nn.Conv2d(64, 64, 1)
+
+    def forward(self, x):
+        y = F.relu(self.norm1(self.stem(x)))
+        z = self.norm2(y)
+        y = y + self.mlp(F.avg_pool2d(z, 3, 1, 1) - z)
+        n, c = y.shape[:2]
+        return y, self.norm3(y.flatten(2)).view(n, c, *y.shape[2:]).mean((2, 3))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_group_norm_runs_on_the_generated_kernel(in_format, amp, compiled_graphs, wrapper):
+    """Every group norm is a GroupNorm node (no ATen call); in C++ the graph is one
+    segment; values, sizes and strides are eager's under both grad modes."""
+    model = PoolFormerish().eval()
+    with torch.no_grad():
+        for m in (model.norm1, model.norm2):
+            m.weight.uniform_(0.5, 2.0)
+            m.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(2, 3, 12, 12) * 2 + 1
+    if in_format == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode():
+            fn, ys, refs = run_both(model, x, amp=amp)
+        for y, ref in zip(ys, refs):
+            assert_matches(y, ref, amp)
+        g = compiled_graphs[0].cpu_layout_graph
+        assert len([n for n in g.walk() if isinstance(n, ir.GroupNorm)]) == 3, g.dump()
+        assert not [n for n in g.walk() if isinstance(n, ir.Aten) and "group_norm" in str(n.target)]
+        if wrapper == "cpp":
+            assert sum(isinstance(n, ir.Segment) for n in g.nodes) == 1, g.dump()

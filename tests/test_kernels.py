@@ -652,6 +652,87 @@ def test_layer_norm_kernel_refuses_bad_arguments():
         k(x, torch.randn(8, dtype=torch.bfloat16), None, torch.empty_like(x))
 
 
+# ---- group_norm -----------------------------------------------------------------------
+
+def _channels_innermost(x):
+    return x.permute(0, *range(2, x.dim()), 1).contiguous().permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+
+
+GROUP_NORMS = [((2, 64, 56, 56), 1), ((3, 32, 7, 9), 8), ((4, 96, 14, 14), 32), ((2, 48, 5), 4),
+               ((1, 16, 3, 4, 5), 4), ((5, 6), 3), ((2, 12, 1, 1), 12)]
+
+
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "bf16_fp32_params"])
+@pytest.mark.parametrize("affine", [(True, True), (False, True), (False, False)],
+                         ids=["weight_bias", "bias", "none"])
+@pytest.mark.parametrize("order,shape,groups", [(o, s, g) for o in ("contiguous", "channels_innermost")
+                                                 for s, g in GROUP_NORMS if o == "contiguous" or len(s) > 2],
+                         ids=str)
+def test_group_norm_kernel_matches_aten(order, shape, groups, affine, dtype, param_dtype):
+    """Values against ATen's group_norm in float64 on the same input (bf16: the float32
+    result rounded, one bf16 step at most); the result in x's order. (ATen's own float32
+    kernel is 2e-4 off where a group is one element: it computes x * a + (b - mean * a).)"""
+    from cpu_layout.codegen.cpp_kernels import GroupNormKernel
+
+    has_w, has_b = affine
+    k = GroupNormKernel(dtype, has_w, has_b, 1e-5, param_dtype).compile()
+    x = torch.randn(shape) * 3 + 10  # a large mean: two-pass statistics
+    x = (_channels_innermost(x) if order == "channels_innermost" else x).to(dtype)
+    w = (torch.rand(shape[1]) + 0.5).to(param_dtype) if has_w else None
+    b = torch.randn(shape[1]).to(param_dtype) if has_b else None
+    out = torch.empty_like(x)
+    k(x, w, b, out, groups)
+    ref = F.group_norm(x.double(), groups, None if w is None else w.double(),
+                       None if b is None else b.double()).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=8e-3, atol=8e-3)
+    assert out.stride() == x.stride()
+
+
+@pytest.mark.parametrize("order", ["contiguous", "channels_innermost"])
+def test_group_norm_kernel_same_bits_on_any_thread_count(threads, order):
+    """One image, one group: the positions are shared among threads in chunks whose sums
+    join in order, so two threads give one thread's bits."""
+    from cpu_layout.codegen.cpp_kernels import GroupNormKernel
+
+    k = GroupNormKernel(torch.float32, True, True, 1e-5).compile()
+    x = torch.randn(1, 64, 56, 56)
+    x = _channels_innermost(x) if order == "channels_innermost" else x
+    x[0, 1, 0, 1] = 1e4  # a large value early in the sums: another order would show
+    w, b = torch.rand(64) + 0.5, torch.randn(64)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = torch.empty_like(x)
+        k(x, w, b, out, 1)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    ref = F.group_norm(x.double(), 1, w.double(), b.double()).float()
+    torch.testing.assert_close(results[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_group_norm_kernel_refuses_bad_arguments():
+    from cpu_layout.codegen.cpp_kernels import GroupNormKernel
+
+    k = GroupNormKernel(torch.float32, True, False, 1e-5).compile()
+    x = torch.randn(2, 8, 4, 4)
+    with pytest.raises(ValueError, match="groups"):
+        k(x, torch.randn(8), None, torch.empty_like(x), 3)
+    with pytest.raises(ValueError, match="weight"):
+        k(x, torch.randn(7), None, torch.empty_like(x), 2)
+    with pytest.raises(ValueError, match="both"):
+        k(x, torch.randn(8), None, torch.empty_like(x).to(memory_format=torch.channels_last), 2)
+    with pytest.raises(ValueError, match="both"):
+        k(x[:, :, :, :3], torch.randn(8), None, torch.empty(2, 8, 4, 3), 2)  # a slice: not dense
+    empty = torch.empty(0, 8, 4, 4)
+    k(empty, torch.randn(8), None, torch.empty_like(empty), 2)  # nothing to do, nothing touched
+
+
 # ---- pooling ----------------------------------------------------------------------------
 
 POOLS = [((3, 3), (2, 2), (1, 1), (1, 1), False), ((3, 3), (2, 2), (1, 1), (1, 1), True),

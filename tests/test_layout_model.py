@@ -11,7 +11,6 @@
 Values and strides against eager in fp32 and AMP, under no_grad and
 inference_mode, both wrappers.
 """
-import contextlib
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ import importlib.util
 import io
 import os
 import subprocess
-import sys
 
 import pytest
 

@@ -557,6 +557,120 @@ static void layer_norm(int64_t rows, int64_t cols, const T* x, const P* w, const
   { int64_t b0, e0; chunk(rows, 1, &b0, &e0); if (b0 < e0) work(b0, e0); }
 }
 
+// Group norm of N images of C channels at S positions (the spatial dims flattened), dense with
+// channels innermost (CL: x[(n*S + s)*C + c]) or contiguous (x[(n*C + c)*S + s]); y in the same
+// order. float32 statistics in two passes as layer_norm's (the mean, then the centred sum of
+// squares): each channel sums R positions at a time into `part`, the chunks join in order, then
+// a group's channels in order, so the result has the same bits on any thread count.
+// Then y = (x - mean) * a + b per channel with a = rstd * w (x * a + (b - mean * a), ATen's
+// form, loses the digits of x - mean to rounding when rstd is large: a group of one element).
+// Threads share (image, chunk) blocks in every pass: one image of one group still uses them all.
+// `work`: N * C * (ceil(S / R) + 3) floats from the caller (an allocation that can fail is the
+// caller's, where failing is an error and not a crash).
+template <class T, class P, bool HW, bool HB>
+static void group_norm(int64_t N, int64_t C, int64_t S, int64_t G, bool CL, int64_t R, const T* x,
+                       const P* w, const P* b, T* y, float* work, float eps) {
+  if (N * C * S == 0) return;
+  const int64_t K = (S + R - 1) / R, blocks = N * K, Cg = C / G;
+  // part: per (image, chunk) and channel; per (image, channel): m the group's mean, a, d the bias.
+  float* part = work;
+  float* m = part + blocks * C;
+  float* ac = m + N * C;
+  float* d = ac + N * C;
+  const bool par = go_parallel(N * C * S, blocks);
+  auto each_block = [&](auto&& fn) {
+    if (!par) { for (int64_t i = 0; i < blocks; ++i) fn(i / K, (i % K) * R); return; }
+#pragma omp parallel
+    {
+      int64_t b0, e0;
+      chunk(blocks, 1, &b0, &e0);
+      for (int64_t i = b0; i < e0; ++i) fn(i / K, (i % K) * R);
+    }
+  };
+  // Per-channel sums over one chunk of (x - centre)^P (P = 1, or 2 with the group's mean).
+  auto sums = [&](bool centred) {
+    each_block([&](int64_t n, int64_t s0) {
+      const int64_t s1 = s0 + R < S ? s0 + R : S;
+      float* acc = part + (n * K + s0 / R) * C;
+      const float* mc = m + n * C;
+      if (CL) {
+        for (int64_t c = 0; c < C; ++c) acc[c] = 0.f;
+        for (int64_t s = s0; s < s1; ++s) {
+          const T* xr = x + (n * S + s) * C;
+          if (centred) {
+#pragma omp simd
+            for (int64_t c = 0; c < C; ++c) { const float v = ld(xr[c]) - mc[c]; acc[c] += v * v; }
+          } else {
+#pragma omp simd
+            for (int64_t c = 0; c < C; ++c) acc[c] += ld(xr[c]);
+          }
+        }
+      } else {
+        for (int64_t c = 0; c < C; ++c) {
+          const T* xr = x + (n * C + c) * S;
+          const float mu = centred ? mc[c] : 0.f;
+          float v = 0.f;
+          if (centred) {
+#pragma omp simd reduction(+ : v)
+            for (int64_t s = s0; s < s1; ++s) { const float t = ld(xr[s]) - mu; v += t * t; }
+          } else {
+#pragma omp simd reduction(+ : v)
+            for (int64_t s = s0; s < s1; ++s) v += ld(xr[s]);
+          }
+          acc[c] = v;
+        }
+      }
+    });
+  };
+  // The chunks' sums of a group, in order, over its Cg * S elements.
+  auto group_mean = [&](int64_t n, int64_t g) {
+    float t = 0.f;
+    for (int64_t c = g * Cg; c < (g + 1) * Cg; ++c) {
+      float u = 0.f;
+      for (int64_t k = 0; k < K; ++k) u += part[(n * K + k) * C + c];
+      t += u;
+    }
+    return t / (float)(Cg * S);
+  };
+  sums(false);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const float mu = group_mean(n, g);
+      for (int64_t c = g * Cg; c < (g + 1) * Cg; ++c) m[n * C + c] = mu;
+    }
+  sums(true);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const float rstd = 1.f / std::sqrt(group_mean(n, g) + eps);
+      for (int64_t c = g * Cg; c < (g + 1) * Cg; ++c) {
+        ac[n * C + c] = HW ? rstd * ld(w[c]) : rstd;
+        d[n * C + c] = HB ? ld(b[c]) : 0.f;
+      }
+    }
+  each_block([&](int64_t n, int64_t s0) {
+    const int64_t s1 = s0 + R < S ? s0 + R : S;
+    const float* mu = m + n * C;
+    const float* a = ac + n * C;
+    const float* dd = d + n * C;
+    if (CL) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const T* xr = x + (n * S + s) * C;
+        T* yr = y + (n * S + s) * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) yr[c] = cvt<T>((ld(xr[c]) - mu[c]) * a[c] + dd[c]);
+      }
+    } else {
+      for (int64_t c = 0; c < C; ++c) {
+        const T* xr = x + (n * C + c) * S;
+        T* yr = y + (n * C + c) * S;
+        const float mc = mu[c], a1 = a[c], dc = dd[c];
+#pragma omp simd
+        for (int64_t s = s0; s < s1; ++s) yr[s] = cvt<T>((ld(xr[s]) - mc) * a1 + dc);
+      }
+    }
+  });
+}
+
 // A bf16 as an int16 that orders as its value does: negative values get their magnitude bits
 // flipped (two's complement order), every NaN becomes the largest key, so the largest key of a
 // window is its maximum, or NaN if it holds one (as ATen's max pooling propagates it).
@@ -1182,6 +1296,91 @@ class LayerNormKernel(_Kernel):
         return (f"layer_norm over {self.n_norm} dims {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
                 f"weight={self.has_weight} "
                 f"bias={self.has_bias} eps={self.eps!r}")
+
+
+def channels_innermost(t: torch.Tensor):
+    """How a group norm reads `t`: False when contiguous, True when dense with channels
+    innermost (NWC, NHWC, NDHWC; either when both hold), None when neither."""
+    if t.is_contiguous():
+        return False
+    if t.dim() >= 3 and t.permute(0, *range(2, t.dim()), 1).is_contiguous():
+        return True
+    return None
+
+
+class CompiledGroupNorm(_Compiled):
+    def __call__(self, x, weight, bias, out, groups: int):
+        """Validating entry point: x and out of one shape [N, C, *], both contiguous or both
+        dense with channels innermost; weight/bias (when the kernel has them) dense of C
+        elements; C divisible by `groups`."""
+        k = self.kernel
+        _check_tensors([x], (k.dtype,), "input")
+        _check_tensors([out], (k.dtype,), "output")
+        if x.dim() < 2 or tuple(out.shape) != tuple(x.shape):
+            raise ValueError("group_norm: input and output must be of one shape [N, C, *]")
+        cl = channels_innermost(x)
+        if cl is None or (cl and not out.permute(0, *range(2, out.dim()), 1).is_contiguous()) or (
+                not cl and not out.is_contiguous()):
+            raise ValueError("group_norm: input and output must both be contiguous or both be "
+                             "dense with channels innermost")
+        c = x.shape[1]
+        if type(groups) is not int or groups <= 0 or c % groups:
+            raise ValueError(f"group_norm: {c} channels do not split into {groups!r} groups")
+        params = []
+        for t, has, what in ((weight, k.has_weight, "weight"), (bias, k.has_bias, "bias")):
+            if has:
+                if t is None or t.dtype != k.param_dtype or not t.is_contiguous() or t.numel() != c:
+                    raise ValueError(f"group_norm: {what} must be contiguous {k.param_dtype} of {c} elements")
+                params.append(t)
+        self.call_unchecked(k.sizes_of(tuple(x.shape), groups, cl),
+                            [x, *params, out, k.workspace(tuple(x.shape))], [])
+
+
+class GroupNormKernel(_Kernel):
+    """group_norm of [N, C, *] dense contiguous or with channels innermost (the output in the
+    same order), with optional weight and bias; float32 statistics. The C entry takes sizes
+    (N, C, positions, groups, channels innermost, CHUNK) and data (x, weight?, bias?, out,
+    workspace of `workspace(shape)` float32 elements)."""
+    _prefix = "gn"
+    _runner = CompiledGroupNorm
+    CHUNK = 256  # positions a channel sums before they join its total
+
+    def __init__(self, dtype, has_weight: bool, has_bias: bool, eps: float, param_dtype=None):
+        self.dtype = _check_dtype(dtype, "input")
+        self.param_dtype = _check_dtype(param_dtype or dtype, "weight")
+        self.has_weight, self.has_bias = bool(has_weight), bool(has_bias)
+        self.eps = float(eps)
+        self._compiled = None
+        self._name = None
+
+    def sizes_of(self, shape, groups: int, channels_last: bool):
+        return (shape[0], shape[1], math.prod(shape[2:]), groups, int(channels_last), self.CHUNK)
+
+    def workspace(self, shape) -> torch.Tensor:
+        """The kernel's scratch: per image and channel, a sum per chunk, then mean, scale, bias."""
+        n, c, s = shape[0], shape[1], math.prod(shape[2:])
+        return torch.empty(n * c * (-(-s // self.CHUNK) + 3), dtype=torch.float32)
+
+    def _key(self):
+        return ("gn", self.dtype, self.has_weight, self.has_bias, self.eps, self.param_dtype)
+
+    def _body(self, name):
+        ct, pt = _CTYPE[self.dtype], _CTYPE[self.param_dtype]
+        i = iter(range(1, 3))
+        w = f"(const {pt}*)data[{next(i)}]" if self.has_weight else "nullptr"
+        b = f"(const {pt}*)data[{next(i)}]" if self.has_bias else "nullptr"
+        o = 1 + self.has_weight + self.has_bias
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  (void)strides;\n"
+            f"  cl::group_norm<{ct}, {pt}, {str(self.has_weight).lower()}, {str(self.has_bias).lower()}>("
+            f"sizes[0], sizes[1], sizes[2], sizes[3], sizes[4] != 0, sizes[5], (const {ct}*)data[0], {w}, {b}, "
+            f"({ct}*)data[{o}], (float*)data[{o + 1}], {float_literal(self.eps)});\n}}\n")
+
+    def describe(self) -> str:
+        return (f"group_norm {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
+                f"weight={self.has_weight} bias={self.has_bias} eps={self.eps!r}")
 
 
 def pool_output_size(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:

@@ -107,6 +107,8 @@ def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:
         em.reduction(m)
     elif isinstance(m, ir.LayerNorm):
         em.layer_norm(m)
+    elif isinstance(m, ir.GroupNorm):
+        em.group_norm(m)
     elif isinstance(m, ir.Getitem):
         em.split_piece(m, *T.split_piece(m.inputs[0].producer, m.index))
     else:

@@ -27,7 +27,7 @@ aten = torch.ops.aten
 # Opcodes: csrc/segment_vm.cpp's enum Op, in the same order.
 OPS = ("EXPECT BLOB SYM_DIM SYM_SCALAR ORDERED ORDERED_PERM GIVE RESET CONV KERNEL REDUCTION LAYER_NORM "
        "RESHAPE PERMUTE UNSQUEEZE REORDER REORDER_PERM POOL_KERNEL MAX_POOL AVG_POOL CAT CAT_SHIM "
-       "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV").split()
+       "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV GROUP_NORM").split()
 OP = {name: i + 1 for i, name in enumerate(OPS)}
 
 ES = {torch.float32: 4, torch.bfloat16: 2}
@@ -392,6 +392,20 @@ class SegmentEncoder:
         out = self.out_reg(n)
         self.p.op("LAYER_NORM", out, self.p.kernel(self.kernels[n]), x, n.x.rank, n.n_norm, params,
                   ES[n.out.dtype], self.fresh_flag(n.out))
+
+    def group_norm(self, n: ir.GroupNorm):
+        x = self.read(n, n.x)
+        params = []
+        for b in (n.weight, n.bias):
+            if b is None:
+                params += [-1, -1]
+            else:
+                params += [self.reg[b],
+                           self.p.name(f"{n.name}: group_norm {b.name} is not dense with one value per channel")]
+        out = self.out_reg(n)
+        spec = self.kernels[n]
+        self.p.op("GROUP_NORM", out, self.p.kernel(spec), x, _cl(n.out.layout), n.groups, params,
+                  spec.CHUNK, ES[n.out.dtype], self.fresh_flag(n.out))
 
     def view(self, n: ir.Aten, slot_of):
         t, a = n.target, n.args

@@ -142,7 +142,7 @@ def profile_kind(n: ir.Node) -> str:
         return "conv (oneDNN)"
     from cpu_layout.schedule import pool_kernel
 
-    if isinstance(n, (ir.Kernel, ir.Reduction, ir.LayerNorm)) or pool_kernel(n) is not None:
+    if isinstance(n, (ir.Kernel, ir.Reduction, ir.Norm)) or pool_kernel(n) is not None:
         return "generated kernels"
     if isinstance(n, ir.Segment):
         return "C++ segments"
@@ -228,7 +228,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
                 em.emit("del " + ", ".join(handed))
             rest = [names.get(b, b.name) for b in n.inputs[n.n_activations:]]
             call = f"{fn}(_in, " + ", ".join(rest) + ")"
-        elif isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction, ir.LayerNorm)):
+        elif isinstance(n, (ir.Conv, ir.Kernel, ir.Reduction, ir.Norm)):
             call = f"{fn}(" + ", ".join(names.get(b, b.name) for b in n.inputs) + ")"
         elif isinstance(n, ir.Getitem):
             call = f"{names.get(n.inputs[0], n.inputs[0].name)}[{n.index}]"

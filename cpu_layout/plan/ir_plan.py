@@ -64,6 +64,8 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
                         post_ops=tuple(n.post_op_template("add"))))
         elif isinstance(n, ir.Pointwise):
             add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels))
+        elif isinstance(n, ir.GroupNorm):  # its result in the order it reads x in
+            add(pg.Pointwise(b.name, tensors([n.x]), b.size, b.dtype, op="group_norm"))
         elif isinstance(n, ir.Reduction):
             add(pg.Reduction(b.name, tensors(n.inputs), b.size, b.dtype, dims=n.dims,
                              keepdim=n.keepdim, op=n.kind, strided_reads=True))
