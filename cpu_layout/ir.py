@@ -205,8 +205,9 @@ class Reduction(Node):
 
 @dataclass(eq=False)
 class Norm(Node):
-    """A normalisation on a generated kernel with float32 statistics:
-    inputs [x, weight?, bias?]; weight and bias of x's dtype or float32."""
+    """A normalisation on a generated kernel with float32 statistics (a softmax
+    normalises exponentials): inputs [x, weight?, bias?]; weight and bias of x's
+    dtype or float32."""
 
     x: Buffer = None
     weight: Optional[Buffer] = None
@@ -235,6 +236,19 @@ class GroupNorm(Norm):
 
     groups: int = 1
     rule: str = FOLLOW
+
+
+@dataclass(eq=False)
+class Softmax(Norm):
+    """softmax (log: log_softmax) along `dim`: reads x contiguous, writes
+    contiguous as ATen does. No weight or bias."""
+
+    dim: int = -1
+    log: bool = False
+    rule: str = DENSE
+
+    def dense_inputs(self) -> List[Buffer]:
+        return [self.x]
 
 
 @dataclass(eq=False)

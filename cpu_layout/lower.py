@@ -242,6 +242,20 @@ class Lowering:
                                 weight=wb, bias=bb, groups=groups, eps=float(eps)))
         return _Picked({0: out})
 
+    def _softmax(self, n: FxNode):
+        """_softmax / _log_softmax in the input's dtype with a static dim: a Softmax
+        node, when eager's result is contiguous (ATen's kernel makes it so)."""
+        x, dim, half_to_float = n.args
+        xv, v = self._val(x), self._val(n)
+        if (xv.dtype not in _FLOAT or half_to_float or v.dtype != xv.dtype or type(dim) is not int
+                or not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape)))):
+            return self._aten(n, ir.EAGER)
+        out = self._buffer_for(n)
+        xb = self.env[x]
+        self.g.add(ir.Softmax(n.name, [xb], out, x=xb, dim=dim % max(xv.dim(), 1),
+                              log=n.target is aten._log_softmax.default))
+        return out
+
     def _linear_as_conv(self, n: FxNode):
         """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights: a 1x1 conv on
         oneDNN (a GEMM over channels with fused bias and post-ops). [M, K]
@@ -451,6 +465,8 @@ class Lowering:
             return self._layer_norm(n)
         if t is aten.native_group_norm.default:
             return self._group_norm(n)
+        if t in (aten._softmax.default, aten._log_softmax.default):
+            return self._softmax(n)
         rule = T.rule_of(t)
         if rule == ir.VIEW:
             return self._aten(n, ir.VIEW)

@@ -325,6 +325,22 @@ class GroupNormCall:
         return out
 
 
+class SoftmaxCall:
+    """softmax / log_softmax on the generated kernel: input contiguous (the plan's
+    read; a slice is made dense here, counted), output contiguous like ATen's."""
+
+    def __init__(self, kernel, compiled, dim: int):
+        self.kernel = kernel
+        self.compiled = compiled
+        self.dim = dim
+
+    def __call__(self, x):
+        x = to_order(x, L.CONTIGUOUS)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.compiled.call_unchecked(self.kernel.sizes_of(tuple(x.shape), self.dim), [x, out], [])
+        return out
+
+
 class PoolCall:
     """A max/avg pool on the generated channels-last kernel (input channels-last:
     the plan's read)."""

@@ -124,10 +124,12 @@ def kernel_spec(n: ir.Node):
     or a pool (None for an ATen op without one)."""
     from cpu_layout.codegen import expr as E
     from cpu_layout.codegen.cpp_kernels import (GroupNormKernel, LayerNormKernel, PointwiseKernel,
-                                                ReductionKernel)
+                                                ReductionKernel, SoftmaxKernel)
 
     if isinstance(n, ir.Aten):
         return pool_kernel(n)
+    if isinstance(n, ir.Softmax):
+        return SoftmaxKernel(n.x.dtype, n.log)
     if isinstance(n, ir.Norm):
         params = [b.dtype for b in (n.weight, n.bias) if b is not None]
         affine = (n.weight is not None, n.bias is not None, n.eps, params[0] if params else None)
@@ -198,6 +200,8 @@ def bind(g: ir.Graph, extra_kernels=()):
             runners[n] = runtime.LayerNormCall(spec, c, n.aten)
         elif isinstance(n, ir.GroupNorm):
             runners[n] = runtime.GroupNormCall(spec, c, n.groups, n.out.layout)
+        elif isinstance(n, ir.Softmax):
+            runners[n] = runtime.SoftmaxCall(spec, c, n.dim)
         elif isinstance(n, ir.Aten):
             runners[n] = runtime.PoolCall(spec, c)
         else:

@@ -28,7 +28,7 @@ enum Op : int64_t {
   EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
   REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
   MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
-  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, N_OPS
+  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, N_OPS
 };
 
 // Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
@@ -402,6 +402,21 @@ void Run::run(uintptr_t* out) {
       case REDUCTION: reduction(); break;
       case LAYER_NORM: layer_norm(); break;
       case GROUP_NORM: group_norm(); break;
+      case SOFTMAX: {  // out kernel x dim es fresh: x read dense contiguous, the result contiguous
+        const int64_t o = A(), ki = A(), x = A(), dim = A(), es = A(), fresh = A();
+        H tmp;
+        const H& xv = clw::ordered(R(x), false, tmp);  // a slice: made dense, counted
+        const int nd = (int)clw::dim(xv);
+        const int64_t* xs = clw::sizes(xv);
+        int64_t sz[3] = {1, nd ? xs[dim] : 1, 1};
+        for (int d = 0; d < nd; ++d)
+          if (d != dim) sz[d < dim ? 0 : 2] *= xs[d];
+        H t = alloc(fresh, nd, xs, false, (int)es);
+        void* const data[] = {clw::data(xv), clw::data(t)};
+        p_.kernels[(size_t)ki](sz, data, nullptr);
+        set(o, std::move(t));
+        break;
+      }
       case RESHAPE: {  // out x rank (expr)*rank
         const int64_t o = A(), x = A(), rank = A();
         if (rank > 16) fail("segment program: more than 16 dims");

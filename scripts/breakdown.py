@@ -37,7 +37,7 @@ from cpu_layout import runtime, zoo
 SEGMENT_KINDS = {
     "conv (oneDNN)": ("CONV",),
     "conv (torch's oneDNN)": ("ATEN_CONV",),
-    "generated kernels": ("KERNEL", "REDUCTION", "LAYER_NORM", "GROUP_NORM", "POOL_KERNEL"),
+    "generated kernels": ("KERNEL", "REDUCTION", "LAYER_NORM", "GROUP_NORM", "SOFTMAX", "POOL_KERNEL"),
     "layout copies": ("ORDERED", "ORDERED_PERM", "REORDER", "REORDER_PERM"),
     "views": ("RESHAPE", "PERMUTE", "UNSQUEEZE", "AS_STRIDED", "ALIAS", "SLICE"),
     "cat/shuffle/clone": ("CAT", "SHUFFLE", "CLONE"),

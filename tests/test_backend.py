@@ -462,3 +462,48 @@ def test_group_norm_runs_on_the_generated_kernel(in_format, amp, compiled_graphs
         assert not [n for n in g.walk() if isinstance(n, ir.Aten) and "group_norm" in str(n.target)]
         if wrapper == "cpp":
             assert sum(isinstance(n, ir.Segment) for n in g.nodes) == 1, g.dump()
+
+
+class Attentive(nn.Module):
+    """ResNeSt's radix softmax (over a middle dim) and attention's softmax over
+    the last dim of a matmul result, then a log_softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 64, 3, padding=1)
+        self.fc = nn.Conv2d(64, 128, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        n = x.shape[0]
+        a = self.fc(y.mean((2, 3), keepdim=True)).view(n, 2, 1, 64).softmax(1)
+        y = y * a.reshape(n, 128, 1, 1)[:, :64]
+        t = y.flatten(2).transpose(1, 2)
+        att = (t @ t.transpose(1, 2) / 8).softmax(-1)
+        return (att @ t).log_softmax(-1), y
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("in_format", ["contiguous", "channels_last"])
+def test_softmax_runs_on_the_generated_kernel(in_format, amp, compiled_graphs, wrapper):
+    """Every softmax and log_softmax is a Softmax node; values, sizes and strides
+    are eager's under both grad modes; in C++ the radix softmax is inside the
+    segment of the convs around it."""
+    model = Attentive().eval()
+    x = torch.randn(2, 3, 6, 6)
+    if in_format == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode():
+            fn, ys, refs = run_both(model, x, amp=amp)
+        for y, ref in zip(ys, refs):
+            assert_matches(y, ref, amp)
+        g = compiled_graphs[0].cpu_layout_graph
+        assert sorted(n.log for n in g.walk() if isinstance(n, ir.Softmax)) == [False, False, True], g.dump()
+        assert not [n for n in g.walk() if isinstance(n, ir.Aten) and "softmax" in str(n.target)]
+        if wrapper == "cpp":
+            radix = next(s for s in g.nodes if isinstance(s, ir.Segment)
+                         and any(isinstance(m, ir.Softmax) and m.dim == 1 for m in s.members))
+            assert sum(isinstance(m, ir.Conv) for m in radix.members) == 2, g.dump()

@@ -733,6 +733,57 @@ def test_group_norm_kernel_refuses_bad_arguments():
     k(empty, torch.randn(8), None, torch.empty_like(empty), 2)  # nothing to do, nothing touched
 
 
+# ---- softmax ------------------------------------------------------------------------------
+
+SOFTMAXES = [((4, 49, 49), -1), ((3, 197), 1), ((1, 2, 1, 64), 1), ((2, 5, 70, 3), 2),
+             ((2, 3, 130), 0), ((7,), 0), ((0, 5), 1), ((), 0)]
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,dim", SOFTMAXES, ids=str)
+def test_softmax_kernel_matches_aten(shape, dim, dtype, log):
+    """Along the last dim (dense rows) and an inner one (lanes across the dims after
+    it), against float64 (bf16: the float32 result rounded, one bf16 step at most)."""
+    from cpu_layout.codegen.cpp_kernels import SoftmaxKernel
+
+    k = SoftmaxKernel(dtype, log).compile()
+    x = (torch.randn(shape) * 4).to(dtype)
+    out = torch.empty_like(x)
+    k(x, out, dim)
+    ref = (F.log_softmax if log else F.softmax)(x.double(), dim)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dim", [0, 1], ids=["inner_lanes", "rows"])
+def test_softmax_kernel_special_values_as_aten(dim, log):
+    """NaN anywhere, all -inf, +inf, and values whose exp under- and overflows."""
+    from cpu_layout.codegen.cpp_kernels import SoftmaxKernel
+
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1., nan, 2.], [-inf, -inf, -inf], [inf, 1., 2.], [-1e30, 0., 1e30], [88., 89., -104.]])
+    x = x if dim == 1 else x.t().contiguous()
+    out = torch.empty_like(x)
+    SoftmaxKernel(torch.float32, log).compile()(x, out, dim)
+    ref = (F.log_softmax if log else F.softmax)(x, dim)
+    torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+def test_softmax_kernel_refuses_bad_arguments():
+    from cpu_layout.codegen.cpp_kernels import SoftmaxKernel
+
+    k = SoftmaxKernel(torch.float32, False).compile()
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        k(x.t(), torch.empty(8, 4), 1)
+    with pytest.raises(ValueError, match="dim"):
+        k(x, torch.empty_like(x), 2)
+    with pytest.raises(ValueError, match="dtype"):
+        k(x.bfloat16(), torch.empty_like(x.bfloat16()), 1)
+
+
 # ---- pooling ----------------------------------------------------------------------------
 
 POOLS = [((3, 3), (2, 2), (1, 1), (1, 1), False), ((3, 3), (2, 2), (1, 1), (1, 1), True),

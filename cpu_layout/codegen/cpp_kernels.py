@@ -671,6 +671,73 @@ static void group_norm(int64_t N, int64_t C, int64_t S, int64_t G, bool CL, int6
   });
 }
 
+// Softmax (LOG: log_softmax) along the middle dim of a contiguous [outer, D, inner] tensor,
+// as ATen computes it: the float32 maximum (NaN propagates), the sum of exp(x - max) in order,
+// then exp(x - max) / sum (log: x - max - log(sum)). inner == 1: one dense row per outer index
+// (exp computed twice rather than staged: no scratch for rows of any length); otherwise IB lanes
+// of inner at a time, the reductions vectorised across them. Threads take (outer, lane block).
+template <class T, bool LOG>
+static void softmax(int64_t outer, int64_t D, int64_t inner, const T* x, T* y) {
+  if (outer * D * inner == 0) return;
+  enum { IB = 64 };
+  const int64_t nb = (inner + IB - 1) / IB, items = outer * nb;
+  auto work = [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t o = it / nb, j0 = (it % nb) * IB;
+      const T* xo = x + o * D * inner;
+      T* yo = y + o * D * inner;
+      if (inner == 1) {
+        float m = -INFINITY;
+        bool nan = false;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t d = 0; d < D; ++d) { const float v = ld(xo[d]); m = v > m ? v : m; nan |= v != v; }
+        if (nan) m = NAN;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < D; ++d) sum += std::exp(ld(xo[d]) - m);
+        if (LOG) {
+          const float shift = m + std::log(sum);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) yo[d] = cvt<T>(ld(xo[d]) - shift);
+        } else {
+          const float inv = 1.f / sum;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) yo[d] = cvt<T>(std::exp(ld(xo[d]) - m) * inv);
+        }
+        continue;
+      }
+      const int64_t w = inner - j0 < IB ? inner - j0 : IB;
+      float m[IB], sum[IB];
+      for (int64_t j = 0; j < w; ++j) { m[j] = -INFINITY; sum[j] = 0.f; }
+      for (int64_t d = 0; d < D; ++d) {
+        const T* xr = xo + d * inner + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < w; ++j) m[j] = max_(ld(xr[j]), m[j]);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const T* xr = xo + d * inner + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < w; ++j) sum[j] += std::exp(ld(xr[j]) - m[j]);
+      }
+      for (int64_t j = 0; j < w; ++j) sum[j] = LOG ? m[j] + std::log(sum[j]) : 1.f / sum[j];
+      for (int64_t d = 0; d < D; ++d) {
+        const T* xr = xo + d * inner + j0;
+        T* yr = yo + d * inner + j0;
+        if (LOG) {
+#pragma omp simd
+          for (int64_t j = 0; j < w; ++j) yr[j] = cvt<T>(ld(xr[j]) - sum[j]);
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < w; ++j) yr[j] = cvt<T>(std::exp(ld(xr[j]) - m[j]) * sum[j]);
+        }
+      }
+    }
+  };
+  if (!go_parallel(outer * D * inner, items)) { work(0, items); return; }
+#pragma omp parallel
+  { int64_t b0, e0; chunk(items, 1, &b0, &e0); if (b0 < e0) work(b0, e0); }
+}
+
 // A bf16 as an int16 that orders as its value does: negative values get their magnitude bits
 // flipped (two's complement order), every NaN becomes the largest key, so the largest key of a
 // window is its maximum, or NaN if it holds one (as ATen's max pooling propagates it).
@@ -1381,6 +1448,55 @@ class GroupNormKernel(_Kernel):
     def describe(self) -> str:
         return (f"group_norm {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
                 f"weight={self.has_weight} bias={self.has_bias} eps={self.eps!r}")
+
+
+class CompiledSoftmax(_Compiled):
+    def __call__(self, x, out, dim: int):
+        """Validating entry point: x and out contiguous of one shape."""
+        k = self.kernel
+        _check_tensors([x], (k.dtype,), "input")
+        _check_tensors([out], (k.dtype,), "output")
+        if tuple(out.shape) != tuple(x.shape) or not x.is_contiguous() or not out.is_contiguous():
+            raise ValueError("softmax: input and output must be contiguous and of one shape")
+        if type(dim) is not int or not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
+            raise ValueError(f"softmax: dim {dim!r} out of range for rank {x.dim()}")
+        self.call_unchecked(k.sizes_of(tuple(x.shape), dim), [x, out], [])
+
+
+class SoftmaxKernel(_Kernel):
+    """softmax or log_softmax along one dim of a contiguous tensor, float32 inside. The C
+    entry takes sizes (outer, size of the dim, inner) and data (x, out)."""
+    _prefix = "sm"
+    _runner = CompiledSoftmax
+
+    def __init__(self, dtype, log: bool):
+        self.dtype = _check_dtype(dtype, "input")
+        self.log = bool(log)
+        self._compiled = None
+        self._name = None
+
+    @staticmethod
+    def sizes_of(shape, dim: int):
+        """(outer, D, inner) of a contiguous tensor of `shape` along `dim` (a 0-d tensor: one)."""
+        if not shape:
+            return (1, 1, 1)
+        dim %= len(shape)
+        return (math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]))
+
+    def _key(self):
+        return ("sm", self.dtype, self.log)
+
+    def _body(self, name):
+        ct = _CTYPE[self.dtype]
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  (void)strides;\n"
+            f"  cl::softmax<{ct}, {str(self.log).lower()}>(sizes[0], sizes[1], sizes[2], "
+            f"(const {ct}*)data[0], ({ct}*)data[1]);\n}}\n")
+
+    def describe(self) -> str:
+        return f"{'log_' if self.log else ''}softmax {_SHORT[self.dtype]}"
 
 
 def pool_output_size(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:

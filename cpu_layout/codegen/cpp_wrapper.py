@@ -109,6 +109,8 @@ def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:
         em.layer_norm(m)
     elif isinstance(m, ir.GroupNorm):
         em.group_norm(m)
+    elif isinstance(m, ir.Softmax):
+        em.softmax(m)
     elif isinstance(m, ir.Getitem):
         em.split_piece(m, *T.split_piece(m.inputs[0].producer, m.index))
     else:

@@ -27,7 +27,8 @@ aten = torch.ops.aten
 # Opcodes: csrc/segment_vm.cpp's enum Op, in the same order.
 OPS = ("EXPECT BLOB SYM_DIM SYM_SCALAR ORDERED ORDERED_PERM GIVE RESET CONV KERNEL REDUCTION LAYER_NORM "
        "RESHAPE PERMUTE UNSQUEEZE REORDER REORDER_PERM POOL_KERNEL MAX_POOL AVG_POOL CAT CAT_SHIM "
-       "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV GROUP_NORM").split()
+       "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV GROUP_NORM "
+       "SOFTMAX").split()
 OP = {name: i + 1 for i, name in enumerate(OPS)}
 
 ES = {torch.float32: 4, torch.bfloat16: 2}
@@ -406,6 +407,12 @@ class SegmentEncoder:
         spec = self.kernels[n]
         self.p.op("GROUP_NORM", out, self.p.kernel(spec), x, _cl(n.out.layout), n.groups, params,
                   spec.CHUNK, ES[n.out.dtype], self.fresh_flag(n.out))
+
+    def softmax(self, n: ir.Softmax):
+        x = self.read(n, n.x)
+        out = self.out_reg(n)
+        self.p.op("SOFTMAX", out, self.p.kernel(self.kernels[n]), x, n.dim, ES[n.out.dtype],
+                  self.fresh_flag(n.out))
 
     def view(self, n: ir.Aten, slot_of):
         t, a = n.target, n.args
