@@ -260,8 +260,9 @@ class Lowering:
         """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights: a 1x1 conv on
         oneDNN (a GEMM over channels with fused bias and post-ops). [M, K]
         row-major is [1, K, 1, M] channels-last, so the views in and out are
-        free when the conv computes channels-last. Static sizes only (the views
-        print their sizes)."""
+        free when the conv computes channels-last. K and the output features
+        are static; the row count M may be symbolic (a dynamic batch): the views
+        say -1 for it, and Dynamo's sizes of 2 or more keep it from being 0."""
         addmm = n.target is aten.addmm.default
         if n.kwargs or len(n.args) != (3 if addmm else 2):
             return None
@@ -274,18 +275,19 @@ class Lowering:
             return None
         w = tnode.inputs[0]
         v = self._val(n)
-        sizes = (*xb.size, *w.size, *v.shape)
         # A linear on module state alone (swin_v2's position-bias MLP over a
         # coordinate table) stays an ATen matmul: a constant node, computed once.
         if (xb.rank != 2 or w.rank != 2 or not w.constant or xb.constant or xb.dtype not in _FLOAT
                 or not L.same_sizes(w.eager_stride, L.contiguous_strides(w.size))  # a weight, not a slice
-                or any(t.dtype != xb.dtype for t in (w, v)) or not all(type(s) is int for s in sizes)
+                or any(t.dtype != xb.dtype for t in (w, v))
+                or not all(type(s) is int for s in (xb.size[1], *w.size, v.shape[1]))
                 or (bb is not None and (not bb.constant or bb.rank != 1 or bb.dtype != xb.dtype))
                 or not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape)))):
             return None
         (m, k), (nout, _) = xb.size, w.size
-        if m == 0:
+        if type(m) is int and m == 0:
             return None
+        rows = m if type(m) is int else -1  # a view argument: -1 is M whatever it is at run time
 
         def view(name, src, target, args, size):
             st = L.strides_for_order(size, L.CHANNELS_LAST if len(size) == 4 else L.CONTIGUOUS)
@@ -295,7 +297,7 @@ class Lowering:
             return out
 
         x4 = view(f"{n.name}_in", view(f"{n.name}_xt", xb, aten.permute.default, ([1, 0],), (k, m)),
-                  aten.view.default, ([1, k, 1, m],), (1, k, 1, m))
+                  aten.view.default, ([1, k, 1, rows],), (1, k, 1, m))
         w4 = view(f"{n.name}_w", w, aten.view.default, ([nout, k, 1, 1],), (nout, k, 1, 1))
         w4.eager_stride = L.contiguous_strides(w4.size)
         y4 = self.g.new_buffer(size=(1, nout, 1, m), dtype=xb.dtype,
@@ -303,7 +305,7 @@ class Lowering:
         self.g.add(ir.Conv(f"{n.name}_conv", [x4, w4] + ([bb] if bb is not None else []), y4, x=x4,
                            weight=w4, bias=bb, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
                            linear=True))
-        yt = view(f"{n.name}_yt", y4, aten.view.default, ([nout, m],), (nout, m))
+        yt = view(f"{n.name}_yt", y4, aten.view.default, ([nout, rows],), (nout, m))
         out = view(n.name, yt, aten.permute.default, ([1, 0],), (m, nout))
         out.eager_stride = tuple(v.stride())
         return out

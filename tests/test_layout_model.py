@@ -182,16 +182,25 @@ def test_a_conversion_read_by_two_ops_is_made_once(cpp, compiled_graphs):
 @pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
 def test_linear_layers_with_a_dynamic_batch(amp, cpp, compiled_graphs):
-    """A symbolic row count keeps the matmul on ATen (the 1x1-conv form prints
-    static sizes); values and strides still eager's, two batch sizes, one compile."""
+    """A symbolic row count runs on oneDNN as with static sizes (1x1 convs whose
+    views say -1 for the rows), the GELU fused; values and strides eager's, three
+    batch sizes, one compile, no matmul left on ATen."""
     model = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 8)).eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        fn = torch.compile(model, backend="cpu_layout", options={"debug": True, "cpp_wrapper": cpp})
-        for batch in (4, 7):
-            xb = torch.randn(batch, 6, 24)
-            torch._dynamo.mark_dynamic(xb, 0)
-            assert_same(fn(xb), model(xb), amp)
-    assert len(compiled_graphs) == 1
+    for grad_mode in (torch.no_grad, torch.inference_mode):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            fn = torch.compile(model, backend="cpu_layout", options={"debug": True, "cpp_wrapper": cpp})
+            for batch in (4, 7, 2):
+                xb = torch.randn(batch, 6, 24)
+                torch._dynamo.mark_dynamic(xb, 0)
+                assert_same(fn(xb), model(xb), amp)
+        assert len(compiled_graphs) == 1
+        g = compiled_graphs[0].cpu_layout_graph
+        convs = g.convs()
+        assert [c.linear for c in convs] == [True, True], g.dump()
+        assert convs[0].post_ops == ["gelu"] and not convs[1].post_ops, g.dump()
+        assert not [n for n in g.walk() if isinstance(n, ir.Aten) and n.rule == ir.DENSE], g.dump()
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
