@@ -565,22 +565,44 @@ class Lowering:
                 self.g.add(ir.Output("output", ir.values_of(vals), None, values=vals))
             else:
                 raise NotImplementedError(f"FX node kind {n.op}")
-        drop_clones(self.g)
+        drop_copies_of_whole(self.g)
         self.g.remove_dead()  # e.g. index ramps a recognised upsample no longer reads
         return self.g
 
 
-def drop_clones(g: ir.Graph) -> None:
-    """A clone that keeps its input's memory format and is no graph output is
-    its input: the graph is functional, so nothing can tell the two apart
-    (timm's eval-mode Dropout(0) exports as one after each MLP conv, a full
-    copy of the activation). Kept: a clone of a graph input (an input mutation
-    later in the graph would show through) and an explicit memory format."""
+def _whole(n: ir.Node) -> bool:
+    """A clone that keeps its input's memory format, an alias, or a step-1 slice over
+    all of a static dim (GhostNet's `cat(...)[:, :oup]` where oup is every channel:
+    torch.export keeps the slice, Dynamo's graph has an alias)."""
+    if not isinstance(n, ir.Aten) or not n.args or not isinstance(n.args[0], ir.Buffer):
+        return False
+    if n.target is aten.alias.default:
+        return len(n.args) == 1 and not n.kwargs
+    if n.target is aten.clone.default:
+        return (len(n.args) == 1 and set(n.kwargs) <= {"memory_format"}
+                and n.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format)
+    if n.target is aten.slice.Tensor and n.args[0].is_tensor:
+        r = T.slice_range(n)
+        if r is None:
+            return False
+        dim, start, end = r
+        size = n.args[0].size[dim]
+        return start == 0 and type(size) is int and (end is None or (type(end) is int and end >= size))
+    return False
+
+
+def drop_copies_of_whole(g: ir.Graph) -> None:
+    """A clone that keeps its input's memory format, an alias, or a slice of a whole
+    dim, that is no graph output is its input: the graph is functional, so nothing
+    can tell the two apart. timm's eval-mode Dropout(0) exports as a clone after
+    each MLP conv (a copy of the activation); GhostNet's whole-channel slice after
+    its cat (an alias in Dynamo's graph) read the cat in eager's order (both are
+    EAGER), which pinned all its 96 convs to NCHW (NHWC is up to 4x faster there).
+    Kept: one of a graph input (an input mutation later in the graph would show
+    through)."""
     outputs = set(ir.values_of(g.output.values)) if g.output is not None else set()
     for n in list(g.nodes):
-        if not (isinstance(n, ir.Aten) and n.target is aten.clone.default and len(n.args) == 1
-                and n.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format
-                and set(n.kwargs) <= {"memory_format"}):
+        if not _whole(n):
             continue
         src = n.args[0]
         if (not isinstance(src, ir.Buffer) or not src.is_tensor or n.out in outputs

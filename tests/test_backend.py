@@ -507,3 +507,48 @@ def test_softmax_runs_on_the_generated_kernel(in_format, amp, compiled_graphs, w
             radix = next(s for s in g.nodes if isinstance(s, ir.Segment)
                          and any(isinstance(m, ir.Softmax) and m.dim == 1 for m in s.members))
             assert sum(isinstance(m, ir.Conv) for m in radix.members) == 2, g.dump()
+
+
+class Ghost(nn.Module):
+    """GhostNet's module: a 1x1 conv, a cheap depthwise conv of its result, the two
+    concatenated and sliced to `oup` channels: all of them here (the slice is whole)
+    then a part (a real slice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.primary = nn.Conv2d(8, 8, 1)
+        self.cheap = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.next = nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        x1 = F.relu(self.primary(x))
+        y = torch.cat([x1, F.relu(self.cheap(x1))], dim=1)[:, :16]
+        z = self.next(y)
+        return z, z[:, :12] * 2
+
+
+@pytest.mark.parametrize("entry", ["compile", "export"])
+def test_a_whole_slice_or_alias_is_its_input(entry, compiled_graphs):
+    """The whole-channel slice (an alias in Dynamo's graph) is dropped, so nothing
+    reads in eager's order and the convs may compute channels-last; the partial
+    slice stays. Values and strides eager's under both grad modes."""
+    from cpu_layout.exported import compile_exported
+
+    model = Ghost().eval()
+    x = torch.randn(2, 8, 10, 10)
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode():
+            refs = model(x)
+            if entry == "compile":
+                fn = torch.compile(model, backend="cpu_layout", options={"debug": True})
+            else:
+                fn = compile_exported(torch.export.export(model, (x,)), {"debug": True})
+            ys = fn(x)
+        for y, ref in zip(ys, refs):
+            assert_matches(y, ref)
+        g = (compiled_graphs[0] if compiled_graphs else fn.compiled).cpu_layout_graph
+        aliases = [n for n in g.walk() if isinstance(n, ir.Aten)
+                   and n.target in (torch.ops.aten.alias.default, torch.ops.aten.slice.Tensor)]
+        assert [n.args[0].size[1] for n in aliases] == [16], g.dump()  # only the real slice
