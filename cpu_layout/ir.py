@@ -200,6 +200,11 @@ class Reduction(Node):
     dims: tuple = ()
     keepdim: bool = False
     aten: Optional[tuple] = None  # (target, args, kwargs) of the ATen call it replaces
+    # codegen.expr trees: what is reduced, of the input Load(0) (None: the input
+    # itself), and what is stored, of the reduced value Load(0) (None: the value).
+    # A 2-norm is the sum of Load(0) * Load(0), then its sqrt.
+    prologue: Any = None
+    epilogue: Any = None
     rule: str = FREE
 
 

@@ -336,6 +336,28 @@ class Lowering:
                                 keepdim=keepdim, aten=(n.target, self._arg(n.args), self._arg(n.kwargs))))
         return out
 
+    def _vector_norm(self, n: FxNode):
+        """linalg_vector_norm of order 2 over static dims, in the input's dtype: a
+        sum reduction of x * x with a sqrt on the result (ATen's float sum of
+        squares, no scaling). Other orders and full reductions stay on ATen."""
+        x = n.args[0]
+        a = list(n.args) + [None] * (4 - len(n.args))
+        ord_, dims = n.kwargs.get("ord", a[1] if len(n.args) > 1 else 2), n.kwargs.get("dim", a[2])
+        keepdim = bool(n.kwargs.get("keepdim", a[3] or False))
+        xv, v = self._val(x), self._val(n)
+        if (not isinstance(xv, torch.Tensor) or xv.dtype not in _FLOAT or v.dtype != xv.dtype
+                or n.kwargs.get("dtype") is not None or ord_ not in (2, 2.0) or not dims or xv.dim() == 0
+                or not all(type(d) is int for d in dims)):
+            return self._aten(n, ir.EAGER)
+        rank = xv.dim()
+        out = self._buffer_for(n)
+        sq = E.Op("mul", (E.Load(0), E.Load(0)))
+        self.g.add(ir.Reduction(n.name, [self.env[x]], out, kind="sum",
+                                dims=tuple(sorted({d % rank for d in dims})), keepdim=keepdim,
+                                aten=(n.target, self._arg(n.args), self._arg(n.kwargs)),
+                                prologue=sq, epilogue=E.Op("sqrt", (E.Load(0),))))
+        return out
+
     def _concrete(self, n):
         """The value of an FX argument computed from constants alone (no graph
         input, nothing random), or None. Used to recognise index patterns."""
@@ -455,6 +477,13 @@ class Lowering:
                 return r
         if t in REDUCTIONS:
             return self._reduction(n)
+        if t is aten.linalg_vector_norm.default:
+            return self._vector_norm(n)
+        if t is aten.addcmul.default and set(n.kwargs) <= {"value"} and len(n.args) in (3, 4):
+            value = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else 1)
+            if type(value) not in (int, float):
+                return self._aten(n, ir.EAGER)
+            return self._pointwise(n, "addcmul", [self._arg(a) for a in n.args[:3]], params=(float(value),))
         if t is aten._unsafe_index.Tensor:
             r = self._nearest_upsample(n)
             if r is not None:

@@ -138,8 +138,8 @@ def kernel_spec(n: ir.Node):
         return LayerNormKernel(n.x.dtype, n.n_norm, *affine)
     if isinstance(n, ir.Kernel):
         return PointwiseKernel([b.dtype for b in n.inputs], [(n.expr, n.out.dtype)], n.out.rank)
-    return ReductionKernel(n.inputs[0].dtype, E.Load(0), n.kind, n.inputs[0].rank, n.dims,
-                           keepdim=n.keepdim, out_dtype=n.out.dtype)
+    return ReductionKernel(n.inputs[0].dtype, n.prologue or E.Load(0), n.kind, n.inputs[0].rank, n.dims,
+                           keepdim=n.keepdim, out_dtype=n.out.dtype, epilogue=n.epilogue)
 
 
 def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,

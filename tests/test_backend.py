@@ -552,3 +552,45 @@ def test_a_whole_slice_or_alias_is_its_input(entry, compiled_graphs):
         aliases = [n for n in g.walk() if isinstance(n, ir.Aten)
                    and n.target in (torch.ops.aten.alias.default, torch.ops.aten.slice.Tensor)]
         assert [n.args[0].size[1] for n in aliases] == [16], g.dump()  # only the real slice
+
+
+class ResponseNorm(nn.Module):
+    """ConvNeXt-V2's global response norm on channels-last activations: a 2-norm
+    over H and W, its mean over channels, then addcmul; and a 1-norm, which stays
+    on ATen."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.weight = nn.Parameter(torch.rand(16) + 0.5)
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        y = self.conv(x).permute(0, 2, 3, 1)
+        g = y.norm(p=2, dim=(1, 2), keepdim=True)
+        n = g / (g.mean(dim=-1, keepdim=True) + 1e-6)
+        out = y + torch.addcmul(self.bias.view(1, 1, 1, -1), self.weight.view(1, 1, 1, -1), y * n, value=0.5)
+        return out, torch.linalg.vector_norm(y, 1, dim=3)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_vector_norm_and_addcmul_run_in_generated_kernels(dynamic, amp, compiled_graphs, wrapper):
+    """The 2-norm is a sum reduction of x * x with a sqrt on the result, addcmul an
+    element-wise op; in C++ the only ATen call left is the 1-norm's. Values, sizes
+    and strides eager's under both grad modes."""
+    model = ResponseNorm().eval()
+    x = torch.randn(2, 3, 9, 9)
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode():
+            fn, ys, refs = run_both(model, x, amp=amp, dynamic=dynamic)
+        for y, ref in zip(ys, refs):
+            assert_matches(y, ref, amp)
+        g = compiled_graphs[0].cpu_layout_graph
+        norms = [n for n in g.walk() if isinstance(n, ir.Reduction) and n.epilogue is not None]
+        assert len(norms) == 1 and norms[0].dims == (1, 2), g.dump()
+        aten = [str(n.target) for n in g.walk() if isinstance(n, ir.Aten) and "norm" in str(n.target)]
+        assert aten == ["aten.linalg_vector_norm.default"], g.dump()  # the 1-norm
+        assert "addcmul" in repr([n.expr for n in g.walk() if isinstance(n, ir.Kernel)]), g.dump()

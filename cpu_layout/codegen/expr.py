@@ -103,8 +103,10 @@ OPS = {
                        post_op=lambda p: ("clamp", None if p[0] is None else float(p[0]),
                                           None if p[1] is None else float(p[1]))),
     "where": ElementOp(3, "({0} != 0.f) ? {1} : {2}"),  # where(cond != 0, a, b)
+    # addcmul(x, a, b, value): x + value * a * b, in ATen's order of operations.
+    "addcmul": ElementOp(3, lambda a, p: f"{a[0]} + {float_literal(p[0])} * {a[1]} * {a[2]}", ("value",)),
 }
-_DEFAULTS = {"leaky_relu": (0.01,), "gelu": ("none",), "clamp": (None, None)}
+_DEFAULTS = {"leaky_relu": (0.01,), "gelu": ("none",), "clamp": (None, None), "addcmul": (1.0,)}
 
 
 def _f32(v: float) -> float:
