@@ -374,6 +374,22 @@ def test_rows_dense_in_channels_with_padded_rows(threads, dtype):
         assert (out[..., :2] == 7).all() and (out[..., 162:] == 7).all()  # padding untouched
 
 
+@pytest.mark.parametrize("shape", [(2, 5, 13, 29), (1, 3, 40, 41)], ids=["row_in_one_block", "rows_of_blocks"])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_rows_with_a_value_per_row(threads, dtype, shape):
+    # NCHW times a per-channel scale and shift: rows of H*W (377, or 1640: three blocks and a
+    # part) each with one scale and shift value, read from a buffer filled with it; 1 and 2
+    # threads, bit-identical to the same chain computed by torch in float32.
+    x = nchw(*shape, dtype=dtype)
+    s, b = nchw(1, shape[1], 1, 1, dtype=dtype, seed=1), nchw(1, shape[1], 1, 1, dtype=dtype, seed=2)
+    ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
+    for n in (1, 2):
+        threads(n)
+        out = torch.empty_like(x)
+        CHAIN4[dtype].compile()(x.shape, [x, s, b], [out])
+        assert torch.equal(out, ref), f"{n} threads"
+
+
 def test_broadcast_buffers_across_partial_tiles(threads):
     # Rows of 100 go 5 to a tile, so each 7-row plane ends in a 2-row tile; with 2 threads the
     # second starts on such a tile and then needs the scalar's buffer for 5 rows.

@@ -274,20 +274,39 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
     return;
   }
   // Every tensor dense along the last dim (a broadcast one repeating a row, as a channels-last
-  // tensor times a per-channel scale): a call per row on the tensors' own memory.
-  bool rows_dense = p.m >= 2 && p.sz[p.m - 1] >= ROW_MIN;
-  for (int t = 0; t < NT && rows_dense; ++t) rows_dense = p.st[t][p.m - 1] == 1;
+  // tensor times a per-channel scale), or an input constant along it (an NCHW tensor times a
+  // per-channel scale: rows of H*W, one scale value each): a call per row on the tensors' own
+  // memory; a constant input is read from a buffer holding its row's value, BLOCK at a time.
+  bool rows_dense = p.m >= 2 && p.sz[p.m - 1] >= ROW_MIN, row_const = false;
+  for (int t = 0; t < NT && rows_dense; ++t) {
+    const bool c = t < NI && p.st[t][p.m - 1] == 0;
+    row_const |= c;
+    rows_dense = c || p.st[t][p.m - 1] == 1;
+  }
   if (rows_dense) {
-    const int64_t n1 = p.sz[p.m - 1];
+    const int64_t n1 = p.sz[p.m - 1], span = row_const ? BLOCK : n1;
     int64_t nrows = 1;
     for (int d = 0; d + 1 < p.m; ++d) nrows *= p.sz[d];
     auto run = [&](int64_t b, int64_t e) {
+      alignas(64) char cbuf[NI > 0 ? NI : 1][BLOCK * 4];
       Cursor<ND, NT> cur;
       cur.seek(p, p.m - 1, b);
       for (int64_t r = b; r < e; ++r, cur.next(p, p.m - 1)) {
         char* q[NT];
-        for (int t = 0; t < NT; ++t) q[t] = (char*)data[t] + cur.off[t] * es[t];
-        body(n1, q);
+        bool konst[NT];
+        for (int t = 0; t < NT; ++t) {
+          q[t] = (char*)data[t] + cur.off[t] * es[t];
+          konst[t] = t < NI && p.st[t][p.m - 1] == 0;
+          if (konst[t]) {  // the row's value, BLOCK times
+            if (es[t] == 4) { float v; std::memcpy(&v, q[t], 4); for (int i = 0; i < BLOCK; ++i) ((float*)cbuf[t])[i] = v; }
+            else { uint16_t v; std::memcpy(&v, q[t], 2); for (int i = 0; i < BLOCK; ++i) ((uint16_t*)cbuf[t])[i] = v; }
+          }
+        }
+        for (int64_t c0 = 0; c0 < n1; c0 += span) {
+          char* qc[NT];
+          for (int t = 0; t < NT; ++t) qc[t] = konst[t] ? cbuf[t] : q[t] + c0 * es[t];
+          body(n1 - c0 < span ? n1 - c0 : span, qc);
+        }
       }
     };
     if (!go_parallel(numel, nrows)) { run(0, nrows); return; }
