@@ -390,6 +390,21 @@ def test_rows_with_a_value_per_row(threads, dtype, shape):
         assert torch.equal(out, ref), f"{n} threads"
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_short_channels_last_rows_go_several_to_a_call(threads, dtype):
+    # Channels-last rows of 200 channels, ten to a call; 63 pixels per image leave a group
+    # of 3 at each image's end, and the scale is one row per image (its buffer refilled when
+    # the image changes). 1 and 2 threads (the second starting mid-image), bit-identical.
+    x = nchw(2, 200, 7, 9, dtype=dtype).to(memory_format=torch.channels_last)
+    s, b = nchw(2, 200, 1, 1, dtype=dtype, seed=1), nchw(1, 200, 1, 1, dtype=dtype, seed=2)
+    ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
+    for n in (1, 2):
+        threads(n)
+        out = torch.empty_like(x)
+        CHAIN4[dtype].compile()(x.shape, [x, s, b], [out])
+        assert torch.equal(out, ref), f"{n} threads"
+
+
 def test_broadcast_buffers_across_partial_tiles(threads):
     # Rows of 100 go 5 to a tile, so each 7-row plane ends in a 2-row tile; with 2 threads the
     # second starts on such a tile and then needs the scalar's buffer for 5 rows.

@@ -56,7 +56,9 @@ typedef uint16_t bf16;
 // reduction (outputs per block, or rows x outputs); RCHUNK: rows summed before they join the total;
 // ROW_MIN: the shortest rows a pointwise op runs one call per row on (shorter rows go in tiles:
 // a bf16 op over 32-channel rows took 137 us a call per row, 75 us in tiles; EPYC Zen 4).
-enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 1024, RCHUNK = 256, ROW_MIN = 128, PB = 64 };
+// GROUP: elements per call when short dense rows go several to a call.
+enum { BLOCK = 512, PAR_MIN = @PAR_MIN@, L = 16, KB = 1024, RCHUNK = 256, ROW_MIN = 128, PB = 64,
+       GROUP = 2048 };
 
 static inline float ld(float x) { return x; }
 static inline float ld(bf16 h) {
@@ -287,6 +289,45 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
     const int64_t n1 = p.sz[p.m - 1], span = row_const ? BLOCK : n1;
     int64_t nrows = 1;
     for (int d = 0; d + 1 < p.m; ++d) nrows *= p.sz[d];
+    // Short rows go several to a call when every tensor runs on densely into the next row
+    // or repeats one row (a per-channel scale over channels-last pixels): the repeated row
+    // copied into a buffer as many times, refilled when its source changes (a new image).
+    // A call per 192-channel row cost more than the arithmetic of an affine pass.
+    bool grouped = !row_const && n1 * 2 <= GROUP;
+    for (int t = 0; t < NT && grouped; ++t)
+      grouped = p.st[t][p.m - 2] == n1 || (t < NI && p.st[t][p.m - 2] == 0);
+    if (grouped) {
+      const int64_t per = GROUP / n1;
+      auto run_grouped = [&](int64_t b, int64_t e) {
+        alignas(64) char rbuf[NI > 0 ? NI : 1][GROUP * 4];
+        const char* src[NI > 0 ? NI : 1] = {nullptr};
+        Cursor<ND, NT> cur;
+        cur.seek(p, p.m - 1, b);
+        for (int64_t r = b; r < e;) {
+          int64_t k = per < e - r ? per : e - r;
+          const int64_t left = p.sz[p.m - 2] - cur.idx[p.m - 2];
+          k = k < left ? k : left;
+          char* q[NT];
+          for (int t = 0; t < NT; ++t) {
+            q[t] = (char*)data[t] + cur.off[t] * es[t];
+            if (t < NI && p.st[t][p.m - 2] == 0 && p.sz[p.m - 2] > 1) {
+              if (src[t] != q[t]) {
+                for (int64_t i = 0; i < per; ++i) std::memcpy(rbuf[t] + i * n1 * es[t], q[t], n1 * es[t]);
+                src[t] = q[t];
+              }
+              q[t] = rbuf[t];
+            }
+          }
+          body(k * n1, q);
+          cur.advance(p, p.m - 1, k);
+          r += k;
+        }
+      };
+      if (!go_parallel(numel, nrows)) { run_grouped(0, nrows); return; }
+#pragma omp parallel
+      { int64_t b, e; chunk(nrows, 1, &b, &e); if (b < e) run_grouped(b, e); }
+      return;
+    }
     auto run = [&](int64_t b, int64_t e) {
       alignas(64) char cbuf[NI > 0 ? NI : 1][BLOCK * 4];
       Cursor<ND, NT> cur;
