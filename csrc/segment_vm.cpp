@@ -111,6 +111,7 @@ class Run {
   void conv();
   void kernel();
   void reduction();
+  int affine_params(int64_t w, int64_t w_msg, int64_t b, int64_t b_msg, int64_t numel, void** data);
   void layer_norm();
   void group_norm();
 };
@@ -290,6 +291,19 @@ void Run::reduction() {
   set(out, std::move(t));
 }
 
+// A norm's weight and bias registers (-1: none) into `data`, each checked dense of `numel`
+// elements (else its message); returns how many it wrote.
+int Run::affine_params(int64_t w, int64_t w_msg, int64_t b, int64_t b_msg, int64_t numel, void** data) {
+  int n = 0;
+  for (const int64_t* pm : {&w, &b}) {
+    if (*pm < 0) continue;
+    const H& p = R(*pm);
+    if (clw::numel(p) != numel || !clw::dense_in(p, false)) fail(S(pm == &w ? w_msg : b_msg));
+    data[n++] = clw::data(p);
+  }
+  return n;
+}
+
 // LAYER_NORM out kernel x nd n_norm w(-1) w_msg b(-1) b_msg es fresh
 void Run::layer_norm() {
   const int64_t out = A(), ki = A(), x = A(), nd = A(), n_norm = A();
@@ -302,14 +316,8 @@ void Run::layer_norm() {
   for (int64_t d = 0; d < nd; ++d) rc[d < nd - n_norm ? 0 : 1] *= xs[d];
   H t = alloc(fresh, (int)nd, xs, false, (int)es);
   void* data[4];
-  int n = 0;
-  data[n++] = clw::data(xv);
-  for (const int64_t* pm : {&w, &b}) {
-    if (*pm < 0) continue;
-    const H& p = R(*pm);
-    if (clw::numel(p) != rc[1] || !clw::dense_in(p, false)) fail(S(pm == &w ? w_msg : b_msg));
-    data[n++] = clw::data(p);
-  }
+  data[0] = clw::data(xv);
+  int n = affine_params(w, w_msg, b, b_msg, rc[1], data + 1) + 1;
   data[n++] = clw::data(t);
   if (rc[0] * rc[1] > 0) p_.kernels[(size_t)ki](rc, data, nullptr);
   set(out, std::move(t));
@@ -336,14 +344,8 @@ void Run::group_norm() {
   const int64_t wsz[1] = {xs[0] * xs[1] * ((positions + chunk - 1) / chunk + 3)};  // GroupNormKernel.workspace
   H work = clw::empty_dense(1, wsz, false, 4);
   void* data[5];
-  int n = 0;
-  data[n++] = clw::data(xv);
-  for (const int64_t* pm : {&w, &b}) {
-    if (*pm < 0) continue;
-    const H& p = R(*pm);
-    if (clw::numel(p) != xs[1] || !clw::dense_in(p, false)) fail(S(pm == &w ? w_msg : b_msg));
-    data[n++] = clw::data(p);
-  }
+  data[0] = clw::data(xv);
+  int n = affine_params(w, w_msg, b, b_msg, xs[1], data + 1) + 1;
   data[n++] = clw::data(t);
   data[n++] = clw::data(work);
   p_.kernels[(size_t)ki](sz, data, nullptr);

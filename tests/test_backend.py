@@ -40,6 +40,19 @@ def assert_matches(y, ref, amp=False):
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * scale)
 
 
+def graphs_under_both_grad_modes(model, x, compiled_graphs, amp=False, dynamic=False):
+    """Compiles and runs `model` under inference_mode, then no_grad, checks every
+    output against eager (values, sizes, strides) and yields each compiled IR graph."""
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        with grad_mode():
+            _, ys, refs = run_both(model, x, amp=amp, dynamic=dynamic)
+        for y, ref in zip(ys, refs):
+            assert_matches(y, ref, amp)
+        yield compiled_graphs[0].cpu_layout_graph
+
+
 def test_registered_by_name():
     assert "cpu_layout" in torch._dynamo.list_backends()
 
@@ -450,14 +463,7 @@ def test_group_norm_runs_on_the_generated_kernel(in_format, amp, compiled_graphs
     x = torch.randn(2, 3, 12, 12) * 2 + 1
     if in_format == "channels_last":
         x = x.to(memory_format=torch.channels_last)
-    for grad_mode in (torch.inference_mode, torch.no_grad):
-        torch._dynamo.reset()
-        compiled_graphs.clear()
-        with grad_mode():
-            fn, ys, refs = run_both(model, x, amp=amp)
-        for y, ref in zip(ys, refs):
-            assert_matches(y, ref, amp)
-        g = compiled_graphs[0].cpu_layout_graph
+    for g in graphs_under_both_grad_modes(model, x, compiled_graphs, amp):
         assert len([n for n in g.walk() if isinstance(n, ir.GroupNorm)]) == 3, g.dump()
         assert not [n for n in g.walk() if isinstance(n, ir.Aten) and "group_norm" in str(n.target)]
         if wrapper == "cpp":
@@ -493,14 +499,7 @@ def test_softmax_runs_on_the_generated_kernel(in_format, amp, compiled_graphs, w
     x = torch.randn(2, 3, 6, 6)
     if in_format == "channels_last":
         x = x.to(memory_format=torch.channels_last)
-    for grad_mode in (torch.inference_mode, torch.no_grad):
-        torch._dynamo.reset()
-        compiled_graphs.clear()
-        with grad_mode():
-            fn, ys, refs = run_both(model, x, amp=amp)
-        for y, ref in zip(ys, refs):
-            assert_matches(y, ref, amp)
-        g = compiled_graphs[0].cpu_layout_graph
+    for g in graphs_under_both_grad_modes(model, x, compiled_graphs, amp):
         assert sorted(n.log for n in g.walk() if isinstance(n, ir.Softmax)) == [False, False, True], g.dump()
         assert not [n for n in g.walk() if isinstance(n, ir.Aten) and "softmax" in str(n.target)]
         if wrapper == "cpp":
@@ -581,14 +580,7 @@ def test_vector_norm_and_addcmul_run_in_generated_kernels(dynamic, amp, compiled
     and strides eager's under both grad modes."""
     model = ResponseNorm().eval()
     x = torch.randn(2, 3, 9, 9)
-    for grad_mode in (torch.inference_mode, torch.no_grad):
-        torch._dynamo.reset()
-        compiled_graphs.clear()
-        with grad_mode():
-            fn, ys, refs = run_both(model, x, amp=amp, dynamic=dynamic)
-        for y, ref in zip(ys, refs):
-            assert_matches(y, ref, amp)
-        g = compiled_graphs[0].cpu_layout_graph
+    for g in graphs_under_both_grad_modes(model, x, compiled_graphs, amp, dynamic):
         norms = [n for n in g.walk() if isinstance(n, ir.Reduction) and n.epilogue is not None]
         assert len(norms) == 1 and norms[0].dims == (1, 2), g.dump()
         aten = [str(n.target) for n in g.walk() if isinstance(n, ir.Aten) and "norm" in str(n.target)]

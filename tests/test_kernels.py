@@ -374,29 +374,23 @@ def test_rows_dense_in_channels_with_padded_rows(threads, dtype):
         assert (out[..., :2] == 7).all() and (out[..., 162:] == 7).all()  # padding untouched
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 13, 29), (1, 3, 40, 41)], ids=["row_in_one_block", "rows_of_blocks"])
-@pytest.mark.parametrize("dtype", [f32, bf16])
-def test_rows_with_a_value_per_row(threads, dtype, shape):
-    # NCHW times a per-channel scale and shift: rows of H*W (377, or 1640: three blocks and a
-    # part) each with one scale and shift value, read from a buffer filled with it; 1 and 2
-    # threads, bit-identical to the same chain computed by torch in float32.
-    x = nchw(*shape, dtype=dtype)
-    s, b = nchw(1, shape[1], 1, 1, dtype=dtype, seed=1), nchw(1, shape[1], 1, 1, dtype=dtype, seed=2)
-    ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
-    for n in (1, 2):
-        threads(n)
-        out = torch.empty_like(x)
-        CHAIN4[dtype].compile()(x.shape, [x, s, b], [out])
-        assert torch.equal(out, ref), f"{n} threads"
+# (input shape, memory format, scale's batch): NCHW times a per-channel scale and shift is rows
+# of H*W (377, or 1640: three blocks and a part), one scale and shift value each, read from a
+# buffer filled with it. Channels-last rows of 200 channels go ten to a call; 63 pixels per
+# image leave a group of 3 at each image's end, and a scale per image repeats one row per
+# image (its buffer refilled when the image changes).
+ROW_CASES = {"nchw_row_in_one_block": ((2, 5, 13, 29), torch.contiguous_format, 1),
+             "nchw_rows_of_blocks": ((1, 3, 40, 41), torch.contiguous_format, 1),
+             "nhwc_rows_several_to_a_call": ((2, 200, 7, 9), torch.channels_last, 2)}
 
 
+@pytest.mark.parametrize("case", list(ROW_CASES))
 @pytest.mark.parametrize("dtype", [f32, bf16])
-def test_short_channels_last_rows_go_several_to_a_call(threads, dtype):
-    # Channels-last rows of 200 channels, ten to a call; 63 pixels per image leave a group
-    # of 3 at each image's end, and the scale is one row per image (its buffer refilled when
-    # the image changes). 1 and 2 threads (the second starting mid-image), bit-identical.
-    x = nchw(2, 200, 7, 9, dtype=dtype).to(memory_format=torch.channels_last)
-    s, b = nchw(2, 200, 1, 1, dtype=dtype, seed=1), nchw(1, 200, 1, 1, dtype=dtype, seed=2)
+def test_rows_with_a_constant_or_repeated_operand(threads, dtype, case):
+    # 1 and 2 threads (the second starting mid-image), bit-identical to torch in float32.
+    shape, fmt, sn = ROW_CASES[case]
+    x = nchw(*shape, dtype=dtype).contiguous(memory_format=fmt)
+    s, b = nchw(sn, shape[1], 1, 1, dtype=dtype, seed=1), nchw(1, shape[1], 1, 1, dtype=dtype, seed=2)
     ref = chain_ref(x.float(), s.float(), b.float()).to(dtype)
     for n in (1, 2):
         threads(n)

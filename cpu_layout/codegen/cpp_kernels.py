@@ -1359,6 +1359,33 @@ class ReductionKernel(_Kernel):
                 f"ndim={self.ndim} in=({ins}) of {self.prologue}{epi} -> {_SHORT[self.out_dtype]}")
 
 
+class _AffineNorm(_Kernel):
+    """A normalisation kernel with optional weight and bias of the input's dtype or float32
+    (ATen's mixed form under autocast); its C entry takes data (x, weight?, bias?, out, ...)."""
+
+    def __init__(self, dtype, has_weight: bool, has_bias: bool, eps: float, param_dtype=None):
+        self.dtype = _check_dtype(dtype, "input")
+        self.param_dtype = _check_dtype(param_dtype or dtype, "weight")
+        self.has_weight, self.has_bias = bool(has_weight), bool(has_bias)
+        self.eps = float(eps)
+        self._compiled = None
+        self._name = None
+
+    def _entry(self, name, fn: str, sizes: str, scratch: str) -> str:
+        """The C entry calling cl::`fn`<T, P, weight?, bias?>(`sizes`, x, w, b, out, `scratch`eps)."""
+        ct, pt = _CTYPE[self.dtype], _CTYPE[self.param_dtype]
+        i = iter(range(1, 3))
+        w = f"(const {pt}*)data[{next(i)}]" if self.has_weight else "nullptr"
+        b = f"(const {pt}*)data[{next(i)}]" if self.has_bias else "nullptr"
+        o = 1 + self.has_weight + self.has_bias
+        return (
+            f"\n// {self.describe()}\n"
+            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
+            f"  (void)strides;\n"
+            f"  cl::{fn}<{ct}, {pt}, {str(self.has_weight).lower()}, {str(self.has_bias).lower()}>("
+            f"{sizes}, (const {ct}*)data[0], {w}, {b}, ({ct}*)data[{o}], {scratch}{float_literal(self.eps)});\n}}\n")
+
+
 class CompiledLayerNorm(_Compiled):
     def __call__(self, x, weight, bias, out):
         """Validating entry point: x and out dense row-major with the same shape; weight/bias
@@ -1380,7 +1407,7 @@ class CompiledLayerNorm(_Compiled):
         self.call_unchecked(k.sizes_of(tuple(x.shape)), [x, *params, out], [])
 
 
-class LayerNormKernel(_Kernel):
+class LayerNormKernel(_AffineNorm):
     """layer_norm over the last ``n_norm`` dims of a contiguous tensor, with optional weight
     and bias of the input's dtype; float32 statistics. The C entry takes sizes (rows, cols)
     and data (x, weight?, bias?, out)."""
@@ -1389,13 +1416,8 @@ class LayerNormKernel(_Kernel):
 
     def __init__(self, dtype, n_norm: int, has_weight: bool, has_bias: bool, eps: float,
                  param_dtype=None):
-        self.dtype = _check_dtype(dtype, "input")
-        # ATen's mixed form: bf16 activations with fp32 weight and bias (autocast).
-        self.param_dtype = _check_dtype(param_dtype or dtype, "weight")
-        self.n_norm, self.has_weight, self.has_bias = int(n_norm), bool(has_weight), bool(has_bias)
-        self.eps = float(eps)
-        self._compiled = None
-        self._name = None
+        super().__init__(dtype, has_weight, has_bias, eps, param_dtype)
+        self.n_norm = int(n_norm)
 
     def sizes_of(self, shape):
         """(rows, cols) of an input of `shape`."""
@@ -1406,18 +1428,7 @@ class LayerNormKernel(_Kernel):
         return ("ln", self.dtype, self.n_norm, self.has_weight, self.has_bias, self.eps, self.param_dtype)
 
     def _body(self, name):
-        ct, pt = _CTYPE[self.dtype], _CTYPE[self.param_dtype]
-        i = iter(range(1, 3))
-        w = f"(const {pt}*)data[{next(i)}]" if self.has_weight else "nullptr"
-        b = f"(const {pt}*)data[{next(i)}]" if self.has_bias else "nullptr"
-        o = 1 + self.has_weight + self.has_bias
-        return (
-            f"\n// {self.describe()}\n"
-            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
-            f"  (void)strides;\n"
-            f"  cl::layer_norm<{ct}, {pt}, {str(self.has_weight).lower()}, {str(self.has_bias).lower()}>("
-            f"sizes[0], sizes[1], (const {ct}*)data[0], {w}, {b}, ({ct}*)data[{o}], "
-            f"{float_literal(self.eps)});\n}}\n")
+        return self._entry(name, "layer_norm", "sizes[0], sizes[1]", "")
 
     def describe(self) -> str:
         return (f"layer_norm over {self.n_norm} dims {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
@@ -1463,7 +1474,7 @@ class CompiledGroupNorm(_Compiled):
                             [x, *params, out, k.workspace(tuple(x.shape))], [])
 
 
-class GroupNormKernel(_Kernel):
+class GroupNormKernel(_AffineNorm):
     """group_norm of [N, C, *] dense contiguous or with channels innermost (the output in the
     same order), with optional weight and bias; float32 statistics. The C entry takes sizes
     (N, C, positions, groups, channels innermost, CHUNK) and data (x, weight?, bias?, out,
@@ -1471,14 +1482,6 @@ class GroupNormKernel(_Kernel):
     _prefix = "gn"
     _runner = CompiledGroupNorm
     CHUNK = 256  # positions a channel sums before they join its total
-
-    def __init__(self, dtype, has_weight: bool, has_bias: bool, eps: float, param_dtype=None):
-        self.dtype = _check_dtype(dtype, "input")
-        self.param_dtype = _check_dtype(param_dtype or dtype, "weight")
-        self.has_weight, self.has_bias = bool(has_weight), bool(has_bias)
-        self.eps = float(eps)
-        self._compiled = None
-        self._name = None
 
     def sizes_of(self, shape, groups: int, channels_last: bool):
         return (shape[0], shape[1], math.prod(shape[2:]), groups, int(channels_last), self.CHUNK)
@@ -1492,18 +1495,9 @@ class GroupNormKernel(_Kernel):
         return ("gn", self.dtype, self.has_weight, self.has_bias, self.eps, self.param_dtype)
 
     def _body(self, name):
-        ct, pt = _CTYPE[self.dtype], _CTYPE[self.param_dtype]
-        i = iter(range(1, 3))
-        w = f"(const {pt}*)data[{next(i)}]" if self.has_weight else "nullptr"
-        b = f"(const {pt}*)data[{next(i)}]" if self.has_bias else "nullptr"
         o = 1 + self.has_weight + self.has_bias
-        return (
-            f"\n// {self.describe()}\n"
-            f'extern "C" void {name}(const int64_t* sizes, void* const* data, const int64_t* strides) {{\n'
-            f"  (void)strides;\n"
-            f"  cl::group_norm<{ct}, {pt}, {str(self.has_weight).lower()}, {str(self.has_bias).lower()}>("
-            f"sizes[0], sizes[1], sizes[2], sizes[3], sizes[4] != 0, sizes[5], (const {ct}*)data[0], {w}, {b}, "
-            f"({ct}*)data[{o}], (float*)data[{o + 1}], {float_literal(self.eps)});\n}}\n")
+        return self._entry(name, "group_norm", "sizes[0], sizes[1], sizes[2], sizes[3], sizes[4] != 0, sizes[5]",
+                           f"(float*)data[{o + 1}], ")
 
     def describe(self) -> str:
         return (f"group_norm {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "

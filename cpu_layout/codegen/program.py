@@ -381,28 +381,24 @@ class SegmentEncoder:
         self.p.op("REDUCTION", out, self.p.kernel(self.kernels[n]), x, n.inputs[0].rank, int(bool(n.keepdim)),
                   msg, len(n.dims), sorted(n.dims), _cl(n.out.layout), ES[n.out.dtype], self.fresh_flag(n.out))
 
-    def layer_norm(self, n: ir.LayerNorm):
-        x = self.read(n, n.x)
+    def affine_params(self, n: ir.Norm, shape: str) -> list:
+        """A norm's weight and bias operands: (register, message if not dense of `shape`) or -1, -1."""
         params = []
         for b in (n.weight, n.bias):
-            if b is None:
-                params += [-1, -1]
-            else:
-                params += [self.reg[b],
-                           self.p.name(f"{n.name}: layer_norm {b.name} is not dense with the normalised size")]
+            params += [-1, -1] if b is None else [
+                self.reg[b], self.p.name(f"{n.name}: {type(n).__name__} {b.name} is not dense with {shape}")]
+        return params
+
+    def layer_norm(self, n: ir.LayerNorm):
+        x = self.read(n, n.x)
+        params = self.affine_params(n, "the normalised size")
         out = self.out_reg(n)
         self.p.op("LAYER_NORM", out, self.p.kernel(self.kernels[n]), x, n.x.rank, n.n_norm, params,
                   ES[n.out.dtype], self.fresh_flag(n.out))
 
     def group_norm(self, n: ir.GroupNorm):
         x = self.read(n, n.x)
-        params = []
-        for b in (n.weight, n.bias):
-            if b is None:
-                params += [-1, -1]
-            else:
-                params += [self.reg[b],
-                           self.p.name(f"{n.name}: group_norm {b.name} is not dense with one value per channel")]
+        params = self.affine_params(n, "one value per channel")
         out = self.out_reg(n)
         spec = self.kernels[n]
         self.p.op("GROUP_NORM", out, self.p.kernel(spec), x, _cl(n.out.layout), n.groups, params,
