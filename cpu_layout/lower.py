@@ -603,14 +603,15 @@ def _whole(n: ir.Node) -> bool:
     """A clone that keeps its input's memory format, an alias, or a step-1 slice over
     all of a static dim (GhostNet's `cat(...)[:, :oup]` where oup is every channel:
     torch.export keeps the slice, Dynamo's graph has an alias)."""
-    if not isinstance(n, ir.Aten) or not n.args or not isinstance(n.args[0], ir.Buffer):
+    if (not isinstance(n, ir.Aten) or not n.args or not isinstance(n.args[0], ir.Buffer)
+            or not n.args[0].is_tensor):
         return False
     if n.target is aten.alias.default:
         return len(n.args) == 1 and not n.kwargs
     if n.target is aten.clone.default:
         return (len(n.args) == 1 and set(n.kwargs) <= {"memory_format"}
                 and n.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format)
-    if n.target is aten.slice.Tensor and n.args[0].is_tensor:
+    if n.target is aten.slice.Tensor:
         r = T.slice_range(n)
         if r is None:
             return False
@@ -634,8 +635,7 @@ def drop_copies_of_whole(g: ir.Graph) -> None:
         if not _whole(n):
             continue
         src = n.args[0]
-        if (not isinstance(src, ir.Buffer) or not src.is_tensor or n.out in outputs
-                or isinstance(src.producer, ir.Input) or src.producer is None):
+        if n.out in outputs or src.producer is None or isinstance(src.producer, ir.Input):
             continue
         g.replace_all_uses(n.out, src)
         g.remove(n)

@@ -631,10 +631,15 @@ def test_transcendental_kernels_call_vector_math(name, fn):
 
 # ---- layer_norm -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
-                                               (torch.bfloat16, torch.bfloat16),
-                                               (torch.bfloat16, torch.float32)],
-                         ids=["fp32", "bf16", "bf16_fp32_params"])
+# A normalisation's activation and weight dtypes: ATen's mixed form is bf16 activations with
+# fp32 weight and bias (autocast).
+NORM_DTYPES = pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
+                                                            (torch.bfloat16, torch.bfloat16),
+                                                            (torch.bfloat16, torch.float32)],
+                                      ids=["fp32", "bf16", "bf16_fp32_params"])
+
+
+@NORM_DTYPES
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)],
                          ids=["weight_bias", "weight", "none"])
 def test_layer_norm_kernel_matches_aten(dtype, param_dtype, affine):
@@ -687,10 +692,7 @@ GROUP_NORMS = [((2, 64, 56, 56), 1), ((3, 32, 7, 9), 8), ((4, 96, 14, 14), 32), 
                ((1, 16, 3, 4, 5), 4), ((5, 6), 3), ((2, 12, 1, 1), 12)]
 
 
-@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
-                                               (torch.bfloat16, torch.bfloat16),
-                                               (torch.bfloat16, torch.float32)],
-                         ids=["fp32", "bf16", "bf16_fp32_params"])
+@NORM_DTYPES
 @pytest.mark.parametrize("affine", [(True, True), (False, True), (False, False)],
                          ids=["weight_bias", "bias", "none"])
 @pytest.mark.parametrize("order,shape,groups", [(o, s, g) for o in ("contiguous", "channels_innermost")

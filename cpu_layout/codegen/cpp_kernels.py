@@ -280,10 +280,11 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
   // per-channel scale: rows of H*W, one scale value each): a call per row on the tensors' own
   // memory; a constant input is read from a buffer holding its row's value, BLOCK at a time.
   bool rows_dense = p.m >= 2 && p.sz[p.m - 1] >= ROW_MIN, row_const = false;
+  bool konst[NT];  // an input constant along the rows
   for (int t = 0; t < NT && rows_dense; ++t) {
-    const bool c = t < NI && p.st[t][p.m - 1] == 0;
-    row_const |= c;
-    rows_dense = c || p.st[t][p.m - 1] == 1;
+    konst[t] = t < NI && p.st[t][p.m - 1] == 0;
+    row_const |= konst[t];
+    rows_dense = konst[t] || p.st[t][p.m - 1] == 1;
   }
   if (rows_dense) {
     const int64_t n1 = p.sz[p.m - 1], span = row_const ? BLOCK : n1;
@@ -294,8 +295,11 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
     // copied into a buffer as many times, refilled when its source changes (a new image).
     // A call per 192-channel row cost more than the arithmetic of an affine pass.
     bool grouped = !row_const && n1 * 2 <= GROUP;
-    for (int t = 0; t < NT && grouped; ++t)
+    bool repeats[NT];  // an input repeating one row over several rows
+    for (int t = 0; t < NT && grouped; ++t) {
+      repeats[t] = t < NI && p.st[t][p.m - 2] == 0 && p.sz[p.m - 2] > 1;
       grouped = p.st[t][p.m - 2] == n1 || (t < NI && p.st[t][p.m - 2] == 0);
+    }
     if (grouped) {
       const int64_t per = GROUP / n1;
       auto run_grouped = [&](int64_t b, int64_t e) {
@@ -310,7 +314,7 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
           char* q[NT];
           for (int t = 0; t < NT; ++t) {
             q[t] = (char*)data[t] + cur.off[t] * es[t];
-            if (t < NI && p.st[t][p.m - 2] == 0 && p.sz[p.m - 2] > 1) {
+            if (repeats[t]) {
               if (src[t] != q[t]) {
                 for (int64_t i = 0; i < per; ++i) std::memcpy(rbuf[t] + i * n1 * es[t], q[t], n1 * es[t]);
                 src[t] = q[t];
@@ -334,10 +338,8 @@ static void pointwise(const int64_t* sizes, void* const* data, const int64_t* st
       cur.seek(p, p.m - 1, b);
       for (int64_t r = b; r < e; ++r, cur.next(p, p.m - 1)) {
         char* q[NT];
-        bool konst[NT];
         for (int t = 0; t < NT; ++t) {
           q[t] = (char*)data[t] + cur.off[t] * es[t];
-          konst[t] = t < NI && p.st[t][p.m - 1] == 0;
           if (konst[t]) {  // the row's value, BLOCK times
             if (es[t] == 4) { float v; std::memcpy(&v, q[t], 4); for (int i = 0; i < BLOCK; ++i) ((float*)cbuf[t])[i] = v; }
             else { uint16_t v; std::memcpy(&v, q[t], 2); for (int i = 0; i < BLOCK; ++i) ((uint16_t*)cbuf[t])[i] = v; }
@@ -1371,6 +1373,17 @@ class _AffineNorm(_Kernel):
         self._compiled = None
         self._name = None
 
+    def checked_params(self, weight, bias, numel: int, op: str) -> list:
+        """The weight and bias the kernel takes, each checked contiguous, of the parameter
+        dtype, with `numel` elements."""
+        params = []
+        for t, has, what in ((weight, self.has_weight, "weight"), (bias, self.has_bias, "bias")):
+            if has:
+                if t is None or t.dtype != self.param_dtype or not t.is_contiguous() or t.numel() != numel:
+                    raise ValueError(f"{op}: {what} must be contiguous {self.param_dtype} of {numel} elements")
+                params.append(t)
+        return params
+
     def _entry(self, name, fn: str, sizes: str, scratch: str) -> str:
         """The C entry calling cl::`fn`<T, P, weight?, bias?>(`sizes`, x, w, b, out, `scratch`eps)."""
         ct, pt = _CTYPE[self.dtype], _CTYPE[self.param_dtype]
@@ -1396,12 +1409,7 @@ class CompiledLayerNorm(_Compiled):
         if tuple(out.shape) != tuple(x.shape) or not x.is_contiguous() or not out.is_contiguous():
             raise ValueError("layer_norm: input and output must be contiguous and of one shape")
         cols = math.prod(x.shape[x.dim() - k.n_norm:]) if x.dim() >= k.n_norm else -1
-        params = []
-        for t, has, what in ((weight, k.has_weight, "weight"), (bias, k.has_bias, "bias")):
-            if has:
-                if t is None or t.dtype != k.param_dtype or not t.is_contiguous() or t.numel() != cols:
-                    raise ValueError(f"layer_norm: {what} must be contiguous {k.param_dtype} of {cols} elements")
-                params.append(t)
+        params = k.checked_params(weight, bias, cols, "layer_norm")
         if cols < 0:
             raise ValueError(f"layer_norm: input of rank {x.dim()} for {k.n_norm} normalised dims")
         self.call_unchecked(k.sizes_of(tuple(x.shape)), [x, *params, out], [])
@@ -1464,12 +1472,7 @@ class CompiledGroupNorm(_Compiled):
         c = x.shape[1]
         if type(groups) is not int or groups <= 0 or c % groups:
             raise ValueError(f"group_norm: {c} channels do not split into {groups!r} groups")
-        params = []
-        for t, has, what in ((weight, k.has_weight, "weight"), (bias, k.has_bias, "bias")):
-            if has:
-                if t is None or t.dtype != k.param_dtype or not t.is_contiguous() or t.numel() != c:
-                    raise ValueError(f"group_norm: {what} must be contiguous {k.param_dtype} of {c} elements")
-                params.append(t)
+        params = k.checked_params(weight, bias, c, "group_norm")
         self.call_unchecked(k.sizes_of(tuple(x.shape), groups, cl),
                             [x, *params, out, k.workspace(tuple(x.shape))], [])
 
