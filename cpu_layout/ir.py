@@ -26,6 +26,10 @@ VIEW = "view"
 # Reads its inputs as they are (or, for `Node.dense_inputs`, contiguous) and
 # writes a contiguous output whatever their strides: matmuls, layer_norm.
 DENSE = "dense"
+# A step-1 slice with static bounds (split pieces, slice): reads its input as
+# it is and is a view of it, in its layout (the planned strides of a slice are
+# its source's, not dense: `Buffer.planned_strides`).
+SLICE = "slice"
 
 
 def is_residual(post_op) -> bool:
@@ -58,6 +62,9 @@ class Buffer:
     constant: bool = False
     # A symbolic-int graph input: the sympy symbol it carries (its value sizes other buffers).
     sym: Any = None
+    # Set by planning for a SLICE result of a buffer in a label or an explicit
+    # order: the buffer it is a slice of (its strides are that buffer's).
+    slice_of: Optional["Buffer"] = None
 
     @property
     def is_tensor(self) -> bool:
@@ -66,6 +73,15 @@ class Buffer:
     @property
     def rank(self) -> int:
         return len(self.size)
+
+    def planned_strides(self) -> tuple:
+        """The strides the plan gives this buffer at run time: a slice's are its
+        source's, a layout's are dense in it, eager's otherwise."""
+        if self.slice_of is not None:
+            return self.slice_of.planned_strides()
+        if self.layout in L.LABELS or isinstance(self.layout, tuple):
+            return L.strides_for_order(self.size, self.layout)
+        return self.eager_stride
 
     def eager_order(self) -> str:
         """The named order eager's strides are in (ambiguous size-1 cases read as contiguous)."""
@@ -391,3 +407,15 @@ def values_of(x) -> Sequence:
     if isinstance(x, dict):
         return [b for v in x.values() for b in values_of(v)]
     return []
+
+
+def slice_source(n: Node) -> Optional[Buffer]:
+    """The buffer a SLICE result views: a slice's input, or the input of the
+    split a piece is picked from; None for any other node."""
+    if isinstance(n, Aten) and n.rule == SLICE and not n.multi:
+        return n.args[0]
+    if isinstance(n, Getitem):
+        p = n.inputs[0].producer
+        if isinstance(p, Aten) and p.rule == SLICE:
+            return p.args[0]
+    return None

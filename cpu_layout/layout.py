@@ -196,6 +196,22 @@ def _is_in_order_int(size, stride, order) -> bool:
     return _is_in_order(size, stride, order_of(order, len(size)))
 
 
+def is_dense_in_order(size: Sequence, stride: Sequence, order: Order) -> bool:
+    """Dense in `order`: in it without gaps (a slice of a dense buffer is in
+    order but not dense). Size-1 dims are ignored; a size-0 dim is dense."""
+    size, stride = tuple(size), tuple(stride)
+    if any(_is_size_zero(s) for s in size):
+        return True
+    acc = 1
+    for d in reversed(order_of(order, len(size))):
+        if is_size_one(size[d]):
+            continue
+        if not _eq(stride[d], acc):
+            return False
+        acc = acc * size[d]
+    return True
+
+
 def stride_order(size: Sequence, stride: Sequence) -> Tuple[int, ...]:
     """A canonical order the layout is in (see `is_in_order`), closest to identity.
 

@@ -465,6 +465,26 @@ class Lowering:
             items[i], start = out, end
         return _Picked(items)
 
+    def _slice(self, n: FxNode):
+        """A split or step-1 slice with static bounds: a view of its input in
+        whatever layout the plan gives that (rule SLICE; a channel slice of a
+        channels-last conv output is read in place by kernels and cat, copied
+        dense by a conv), else EAGER. Not when a piece is returned (eager gives
+        it the slice's strides) or read by a view op (views follow dense
+        layouts)."""
+        out = self._aten(n, ir.EAGER)
+        node = self.g.nodes[-1]
+        pieces = list(n.users) if node.multi else [n]
+        if node.multi and not all(p.target is operator.getitem for p in pieces):
+            return out
+        bounds = [T.split_piece(node, 0)] if node.multi else [T.slice_range(node)]
+        readers = [r for p in pieces for r in p.users]
+        if (bounds[0] is None or not node.inputs[0].is_tensor
+                or any(r.op == "output" or T.rule_of(r.target) == ir.VIEW for r in readers)):
+            return out
+        node.rule = ir.SLICE
+        return out
+
     def _call(self, n: FxNode):
         t = n.target
         if t in (aten.view.default, aten._unsafe_view.default):
@@ -475,6 +495,8 @@ class Lowering:
             r = self._shuffle_pieces(n)
             if r is not None:
                 return r
+        if t in T.SPLIT_OPS or t is aten.slice.Tensor:
+            return self._slice(n)
         if t in REDUCTIONS:
             return self._reduction(n)
         if t is aten.linalg_vector_norm.default:

@@ -2,8 +2,8 @@
 
 Layouts: FREE nodes (convs, pointwise) take the planner's choice; FOLLOW
 nodes inherit their first tensor input's layout (ATen keeps the memory
-format of what it is given); EAGER nodes and graph inputs keep eager's
-strides. `runtime` holds what the callables do.
+format of what it is given); SLICE results are slices of their source in
+its layout; EAGER nodes and graph inputs keep eager's strides. `runtime` holds what the callables do.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def _propagate(g: ir.Graph, choose: Callable[[ir.Node], str]) -> None:
         b = n.out
         if not b.is_tensor:
             b.layout = None
+            continue
+        src = ir.slice_source(n)
+        if src is not None:
+            # A view of its source's memory whatever that is: in its layout, with its strides.
+            b.layout = src.layout if src.layout is not None else ir.EAGER
+            b.slice_of = src if b.layout != ir.EAGER else None
             continue
         if isinstance(n, ir.Input) or n.rule == ir.EAGER:
             b.layout = ir.EAGER

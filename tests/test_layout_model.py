@@ -350,3 +350,74 @@ def test_channel_shuffle_kernel_matches_atens(fmt, dtype):
         ops.channel_shuffle(x, 5)
     with pytest.raises(ValueError):
         ops.channel_shuffle(x, 2, 4, 13)
+
+
+class MixedBlock(nn.Module):
+    """MixNet's mixed depthwise convs (a split along channels, one kernel size
+    per piece, cat, batch-norm) and mixed 1x1 convs (a chunk per conv), then
+    ReXNet's partial residual (the first channels plus the input, cat with the
+    rest). `piece_out`: a piece is also a result; `piece_view`: a view reads one."""
+
+    def __init__(self, c=8, piece_out=False, piece_view=False):
+        super().__init__()
+        self.piece_out, self.piece_view = piece_out, piece_view
+        self.expand = nn.Conv2d(c, 3 * c, 1)
+        self.dw = nn.ModuleList(nn.Conv2d(c, c, k, padding=k // 2, groups=c) for k in (3, 5, 7))
+        self.bn = nn.BatchNorm2d(3 * c)
+        self.bn.running_mean.uniform_(-1, 1)
+        self.bn.running_var.uniform_(0.5, 2)
+        self.pw = nn.ModuleList(nn.Conv2d(3 * c // 2, c, 1) for _ in range(2))
+
+    def forward(self, x):
+        pieces = torch.split(self.expand(x), x.shape[1], dim=1)
+        y = F.relu(self.bn(torch.cat([conv(p) for conv, p in zip(self.dw, pieces)], 1)))
+        y = torch.cat([conv(p) for conv, p in zip(self.pw, y.chunk(2, 1))], 1)
+        c = x.shape[1]
+        out = torch.cat([y[:, :c] + x, y[:, c:]], 1)
+        if self.piece_out:
+            return out, pieces[1]
+        if self.piece_view:
+            return out, pieces[1].flatten(2).sum(-1)
+        return out
+
+
+def _slice_nodes(compiled_graphs):
+    return [n for n in _nodes(compiled_graphs) if isinstance(n, ir.Aten)
+            and n.target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+                             torch.ops.aten.slice.Tensor)]
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_split_pieces_and_slices_are_views_in_the_planned_layout(fmt, batch, grad, amp, cpp, compiled_graphs):
+    model = MixedBlock().eval()
+    x = torch.randn(batch, 8, 11, 9).to(memory_format=fmt)
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad=grad, cpp=cpp)
+    assert_same(y, ref, amp)
+    nodes = _slice_nodes(compiled_graphs)
+    assert len(nodes) == 4 and all(n.rule == ir.SLICE for n in nodes), [(n.name, n.rule) for n in nodes]
+    plan = compiled_graphs[0].cpu_layout_graph.plan
+    # What the convs copy dense is a copy of the plan (in both wrappers, counted).
+    assert copies == planned_copies(compiled_graphs), plan.explain()
+    # A slice is never copied for a kernel (read in place, in any order) or the
+    # concatenation: only convs copy pieces.
+    pieces = {n.out.name for n in _nodes(compiled_graphs) if ir.slice_source(n) is not None}
+    made_by = {n.out.name: n for n in _nodes(compiled_graphs) if n.out is not None}
+    readers = {u for c in plan.executed_copies if c.source in pieces for u in c.consumers}
+    assert all(isinstance(made_by[u], ir.Conv) for u in readers), plan.explain()
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("how", ["piece_out", "piece_view"])
+def test_a_piece_returned_or_viewed_keeps_eagers_strides(how, cpp, compiled_graphs):
+    model = MixedBlock(**{how: True}).eval()
+    x = torch.randn(2, 8, 11, 9).to(memory_format=torch.channels_last)
+    ref, y, copies = compile_run(model, x, False, compiled_graphs, grad="inference_mode", cpp=cpp)
+    for got, want in zip(y, ref):
+        assert_same(got, want, False)
+    split = [n for n in _slice_nodes(compiled_graphs) if n.multi and n.args[1] in (8, [8, 8, 8])]
+    assert len(split) == 1 and split[0].rule == ir.EAGER
+    assert copies == planned_copies(compiled_graphs)

@@ -248,6 +248,44 @@ def test_residual_input_shared_by_two_consumers_is_copied_once():
     assert len(inputs) == 1 and sorted(inputs[0].consumers) == ["a", "b"]
 
 
+def mixed_block(batch=1):
+    """MixNet's mixed depthwise convs over a split, ReXNet's partial residual over slices."""
+    g = Graph()
+    size = (batch, 32, 16, 16)
+    x = g.input("x", size, channels_last_strides(size))
+    y = g.conv(x, 48, 1, name="expand")
+    pieces = [g.slice(y, 1, 16 * i, 16 * (i + 1), name=f"piece{i}") for i in range(3)]
+    z = g.cat([g.conv(p, 16, k, padding=k // 2, groups=16, name=f"dw{k}") for p, k in zip(pieces, (3, 5, 7))])
+    head = g.pointwise(g.slice(z, 1, 0, 32, name="head"), x, op="add")  # read in place by a kernel
+    out = g.cat([head, g.slice(z, 1, 32, 48, name="tail")])  # and by the concatenation
+    g.output(out, stride=channels_last_strides((batch, 48, 16, 16)))
+    return g
+
+
+def test_slices_are_views_that_only_convs_copy_dense():
+    g = mixed_block()
+    p = plan(g, PREFER_CL)
+    assert set(d.label for d in p.convs.values()) == {CHANNELS_LAST}
+    # Each piece of the channels-last expand conv is a strided view; its conv copies
+    # it dense in the same order (a gather, cheaper than a conversion), nothing else does.
+    assert sorted((c.source, c.reason) for c in p.copies) == [(f"piece{i}", "dense") for i in range(3)]
+    cm = PREFER_CL
+    assert p.copies[0].cost_us == pytest.approx(cm.gather_cost(16 * 16 * 16 * 4))
+    assert cm.gather_cost(1000) < cm.copy_cost(1000)
+    assert p.layout_of["piece1"].stride == channels_last_strides((1, 48, 16, 16))
+    assert p.exact and p.total_cost == pytest.approx(_brute_force(g, cm))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_channel_slices_of_nchw_are_dense_at_batch_one_only(batch):
+    g = mixed_block(batch)
+    lay = {n: CONTIGUOUS for n in decision_nodes(g)}
+    p = materialize(g, lay, PREFER_CF)
+    dense = sorted(c.source for c in p.copies if c.reason == "dense")
+    assert dense == ([] if batch == 1 else ["piece0", "piece1", "piece2"])
+    assert not [c for c in p.copies if c.source in ("head", "tail")]
+
+
 def grouped_mix():
     g = Graph()
     x = g.input("x", (2, 64, 28, 28))
@@ -373,8 +411,12 @@ def random_graph(rng):
         elif op < 0.8:
             p = g.permute(src, (0, 2, 3, 1))
             out = g.permute(g.pointwise(p, op="gelu"), (0, 3, 1, 2))
-        elif op < 0.9:
+        elif op < 0.85:
             out = g.pointwise(src, op="relu")
+        elif op < 0.9:  # a split's pieces, each read by one conv (MixNet): dense copies or none
+            half = g[src].size[1] // 2
+            out = g.cat([g.conv(g.slice(src, 1, a, b), half, k, padding=k // 2)
+                         for a, b, k in ((0, half, 1), (half, 2 * half, 3))]) if half else g.batchnorm(src)
         else:
             out = g.fallback([src], g[src].size, needs_contiguous=rng.random() < 0.5)
         bufs.append(out)

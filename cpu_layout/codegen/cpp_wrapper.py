@@ -68,7 +68,7 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
     for i, b in enumerate(consts):
         if b in needs_handle:
             em.reg[b] = prog.reg()
-            prog.op("BLOB", em.reg[b], i, P.HELD_ES[b.dtype], b.rank, b.size, P.static_strides(b))
+            prog.op("BLOB", em.reg[b], i, P.HELD_ES[b.dtype], b.rank, b.size, b.planned_strides())
     # Symbols the views' sizes use, read from the inputs that define them (segments.py).
     slots = {}
     for sym, src, dim in seg.sym_reads:
@@ -79,14 +79,14 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
             prog.op("SYM_DIM", slots[sym], em.reg[src], dim)
     prog.n_syms = len(slots)
     outset = set(outs)
-    from cpu_layout.codegen.wrapper import conversions, read_conversion
+    from cpu_layout.codegen.wrapper import conversions, dense_as_planned, read_conversion
 
     reads, last_conv = conversions(seg.members, read_conversion)
     for m in seg.members:
         keys = list(reads.get(m, {}).values())
         em.convert_reads(keys)
         _encode_node(em, m, slots)
-        if debug and m.out.layout in L.LABELS:
+        if debug and dense_as_planned(m.out):
             prog.op("CHECK", em.reg[m.out], int(m.out.layout == L.CHANNELS_LAST), prog.name(m.out.name))
         em.release_reads(keys, last_conv, m)
         for b in dict.fromkeys(m.inputs):
@@ -151,7 +151,7 @@ def build(g: ir.Graph, debug: bool = False):
         pack_entries = []
         for seg in part.segments:
             weights = {m.weight for m in seg.members if isinstance(m, ir.Conv)}
-            pack_entries.append([(part.exports.index(b), b in weights, tuple(b.size), P.static_strides(b))
+            pack_entries.append([(part.exports.index(b), b in weights, tuple(b.size), b.planned_strides())
                                  for b in seg.consts])
         runners[pro_node] = runtime.ConstantPrologue(fn, pack_entries, ops.ffi)
     for seg in part.segments:

@@ -181,12 +181,6 @@ def _cl(order) -> int:
     return int(order == L.CHANNELS_LAST)
 
 
-def static_strides(b: ir.Buffer) -> tuple:
-    if b.layout in L.LABELS:
-        return L.strides_for_order(b.size, b.layout)
-    return b.eager_stride
-
-
 class SegmentEncoder:
     """The instructions of one segment; `reg` names each buffer's register.
 

@@ -59,6 +59,11 @@ class _Emitter:
         self.lines.append("    " + line)
 
 
+# ATen calls whose first input is walked densely when planned channels-last
+# (the generated pool kernel); ATen's own NCHW pool is handed it dense too.
+DENSE_READING_ATEN = (torch.ops.aten.max_pool2d.default, torch.ops.aten.avg_pool2d.default)
+
+
 def _required(node: ir.Node, b: ir.Buffer):
     """THE read rule: the order `node` reads input `b` in, or None for as it
     is. The planner prices the same reads (plan/ir_plan.py)."""
@@ -72,7 +77,7 @@ def _required(node: ir.Node, b: ir.Buffer):
         return None  # kernels read any strides (segments convert inside); getitem only picks
     if isinstance(node, ir.Output) or node.rule == ir.EAGER:
         return b.eager_want()
-    if node.rule == ir.VIEW:
+    if node.rule in (ir.VIEW, ir.SLICE):
         return None  # a view reads what it is given; its own layout follows (schedule)
     if node.rule == ir.DENSE:
         return L.CONTIGUOUS if any(d is b for d in node.dense_inputs()) else None
@@ -85,12 +90,35 @@ def _required(node: ir.Node, b: ir.Buffer):
     return out.layout if b.rank == out.rank else None  # FOLLOW: same-rank inputs in our layout
 
 
+def reads_dense(node: ir.Node, b: ir.Buffer) -> bool:
+    """Whether `node` needs `b` dense in the order it reads it in, not just in
+    that order: oneDNN convs (activation, residuals) and the kernels that walk
+    dense memory (layer/group norm, softmax, 2-D pooling). The planner prices
+    the same copies (plan/ir_plan.py: `dense_reads`)."""
+    if isinstance(node, ir.Conv):
+        return any(a is b for a in node.activations())
+    if isinstance(node, ir.Norm):
+        return b is node.x
+    return isinstance(node, ir.Aten) and node.target in DENSE_READING_ATEN and b is node.inputs[0]
+
+
+def dense_as_planned(b: ir.Buffer) -> bool:
+    """Whether the plan has `b` dense in a label (what the debug checks assert;
+    a slice is only in its source's order)."""
+    return b.is_tensor and b.layout in L.LABELS and b.slice_of is None
+
+
 def read_conversion(node: ir.Node, b: ir.Buffer):
     """The conversion both wrappers make before `node` reads `b`: the read rule's
     order, unless the plan's strides for `b` already satisfy it (then the plan
-    counts no copy, and a slice of a dense buffer is read as it is)."""
+    counts no copy, and a slice of a dense buffer is read as it is by all but
+    the readers that need it dense)."""
     order = _required(node, b)
-    return order if order is not None and not _planned_strides_match(b, order) else None
+    if order is None:
+        return None
+    strides = b.planned_strides()
+    ok = (L.is_dense_in_order if reads_dense(node, b) else L.is_in_order)(b.size, strides, order)
+    return None if ok else order
 
 
 def conversions(nodes, wanted):
@@ -109,13 +137,6 @@ def conversions(nodes, wanted):
                 reads.setdefault(n, {})[b] = (b, order)
                 last[(b, order)] = n
     return reads, last
-
-
-def _planned_strides_match(b: ir.Buffer, order: str) -> bool:
-    """Whether `b` as planned already satisfies `order` (size-1 dims ignored)."""
-    if b.layout == ir.EAGER or b.layout is None:
-        return L.is_in_order(b.size, b.eager_stride, order)
-    return L.is_in_order(b.size, L.strides_for_order(b.size, b.layout), order)
 
 
 def _canonical_eager_order(b: ir.Buffer):
@@ -238,7 +259,7 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
         else:
             call = em.render_call(fn, n.args, n.kwargs, names)
         em.emit(f"{n.out.name} = {call}")
-        if debug and n.out.is_tensor and n.out.layout in L.LABELS:
+        if debug and dense_as_planned(n.out):
             em.emit(f"check_layout({n.out.name}, {n.out.layout!r}, {n.out.name!r})")
         dead = [b.name for b in dict.fromkeys(n.inputs) if last_use.get(b) is n and b.name not in handed]
         dead += [converted[k] for k in dict.fromkeys(reads.get(n, {}).values()) if last_conv[k] is n]

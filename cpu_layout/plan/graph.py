@@ -28,7 +28,7 @@ from cpu_layout.layout import contiguous_strides, is_size_one
 
 __all__ = [
     "Node", "Input", "Output", "Conv", "Pointwise", "Reduction", "Pool", "BatchNorm",
-    "View", "Permute", "Concat", "Linear", "Fallback", "Graph",
+    "View", "Slice", "Permute", "Concat", "Linear", "Fallback", "Graph",
 ]
 
 
@@ -47,6 +47,10 @@ class Node:
     # Computed from module state alone: run once and memoized, so a copy only
     # constant nodes read is made once, not per call.
     constant = False
+    # Reads its inputs dense in the order it wants, not just in it (a slice of
+    # a dense buffer is in order but is copied first): convs, and the kernels
+    # that walk dense memory (plan/ir_plan.py sets it on those).
+    dense_reads = False
 
     @property
     def rank(self) -> int:
@@ -82,6 +86,7 @@ class Conv(Node):
     # timed with the conv (a GEMM kernel's separate post-op pass can flip the choice).
     post_ops: Tuple = ()
     kind = "conv"
+    dense_reads = True
 
     @property
     def in_channels(self):
@@ -132,6 +137,13 @@ class View(Node):
     """view / reshape / flatten / squeeze / unsqueeze to `size` (layout-sensitive)."""
     op: str = "view"
     kind = "view"
+
+
+@dataclass(eq=False)
+class Slice(Node):
+    """A step-1 slice of its input (a split's piece): a view with its input's
+    strides whatever its layout, never a copy and never a label of its own."""
+    kind = "slice"
 
 
 @dataclass(eq=False)
@@ -307,6 +319,12 @@ class Graph:
         dims = tuple(d % src.rank for d in dims)
         return self.add(Permute(self._name(name, "permute"), (x,), tuple(src.size[d] for d in dims),
                                 src.dtype, dims=dims))
+
+    def slice(self, x: str, dim: int, start: int, end: int, name: Optional[str] = None) -> str:
+        """x[..., start:end, ...] along `dim` (a split's piece)."""
+        src = self.nodes[x]
+        size = src.size[:dim] + (end - start,) + src.size[dim + 1:]
+        return self.add(Slice(self._name(name, "slice"), (x,), size, src.dtype))
 
     def cat(self, xs: Sequence[str], dim: int = 1, name: Optional[str] = None) -> str:
         srcs = [self.nodes[x] for x in xs]

@@ -15,6 +15,7 @@ from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout.op_table import permutation_of
 from cpu_layout.plan import graph as pg
+from cpu_layout.codegen.wrapper import DENSE_READING_ATEN
 from cpu_layout.plan.planner import Plan, plan
 
 aten = torch.ops.aten
@@ -39,13 +40,21 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
     def tensors(bs):
         return tuple(b.name for b in dict.fromkeys(bs) if b.is_tensor and b.name in known)
 
-    def add(node):
+    def add(node, dense_reads=False):
         node.constant = bool(g.buffers.get(node.name) is not None and g.buffers[node.name].constant)
+        if dense_reads:
+            node.dense_reads = True
         pgraph.add(node)
         known.add(node.name)
 
     for n in g.nodes:
         b = n.out
+        if isinstance(n, ir.Aten) and n.rule == ir.SLICE and n.multi:
+            continue  # a split: its pieces are slices of its input
+        src = ir.slice_source(n)
+        if src is not None and src.name in known:
+            add(pg.Slice(b.name, (src.name,), b.size, b.dtype))
+            continue
         if isinstance(n, ir.Output):
             for i, v in enumerate(n.values):
                 if isinstance(v, ir.Buffer) and v.is_tensor and v.name in known:
@@ -65,7 +74,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
         elif isinstance(n, ir.Pointwise):
             add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels))
         elif isinstance(n, ir.GroupNorm):  # its result in the order it reads x in
-            add(pg.Pointwise(b.name, tensors([n.x]), b.size, b.dtype, op="group_norm"))
+            add(pg.Pointwise(b.name, tensors([n.x]), b.size, b.dtype, op="group_norm"), dense_reads=True)
         elif isinstance(n, ir.Reduction):
             add(pg.Reduction(b.name, tensors(n.inputs), b.size, b.dtype, dims=n.dims,
                              keepdim=n.keepdim, op=n.kind, strided_reads=True))
@@ -79,7 +88,8 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
                 kernel = tuple(n.args[1]) if pool and len(n.args) > 1 else ()
                 kernel = kernel * 2 if len(kernel) == 1 else kernel  # [k] means k x k
                 add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=priced,
-                            kernel=kernel if all(type(k) is int for k in kernel) else ()))
+                            kernel=kernel if all(type(k) is int for k in kernel) else ()),
+                    dense_reads=n.target in DENSE_READING_ATEN)
             else:
                 add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
         elif n.rule == ir.VIEW and n.inputs[0].name in known:
@@ -106,7 +116,8 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
             else:
                 wants = tuple(by_name[i].eager_want() for i in ins)
                 stride = b.eager_stride
-            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride, flops=_matmul_flops(n)))
+            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride, flops=_matmul_flops(n)),
+                dense_reads=isinstance(n, ir.Norm))
     return pgraph
 
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from cpu_layout import config
 from cpu_layout.layout import (
     CHANNELS_LAST, CONTIGUOUS, LABELS, FixedLayout, FlexibleLayout, contiguous_strides,
-    is_in_order, matching_labels, nbytes_hint, orders_agree, require_order, same_sizes,
+    is_dense_in_order, is_in_order, matching_labels, nbytes_hint, orders_agree, require_order, same_sizes,
     eager_memory_format, stride_order, strides_for_order, view_strides,
 )
 from cpu_layout.plan.cost import ConvCost, CostModel, default_cost_model
@@ -56,7 +56,8 @@ class Copy:
     source_layout: FixedLayout
     nbytes: int
     cost_us: float
-    reason: str                  # "layout" (consumer wants another order) or "view" (view not expressible)
+    reason: str                  # "layout" (consumer wants another order), "dense" (a slice a conv
+                                 # reads, made dense in its order) or "view" (view not expressible)
     consumers: List[str] = field(default_factory=list)
     # Every consumer is a generated kernel that reads the source in place in
     # the other order: priced as a copy, never made at run time.
@@ -103,7 +104,7 @@ class Plan:
         lines = [f"cpu_layout plan: {len(self.convs)} convs, {len(self.copies)} copies, "
                  f"total {self.total_cost:.1f} us (convs {self.conv_cost:.1f}, copies {self.copy_cost:.1f}, "
                  f"pooling {self.op_cost:.1f}, other ops {self.other_cost:.1f})"
-                 + ("" if self.exact else "  [approximate: conflicting permutes]")]
+                 + ("" if self.exact else "  [approximate: conflicting permutes or a shared copy of a slice]")]
         for name, pol in self.policies.items():
             lines.append(f"  policy {name}: {pol:.1f} us")
         for d in self.convs.values():
@@ -136,6 +137,8 @@ def decision_nodes(graph: Graph) -> List[str]:
         if n.kind == "conv" or (n.kind in _AGNOSTIC and _label_matters(n.size)):
             out.append(n.name)
             cand[n.name] = [strides_for_order(n.size, l) for l in LABELS]
+        elif n.kind == "slice" and n.inputs[0] in cand:
+            cand[n.name] = cand[n.inputs[0]]  # its source's strides, never a label of its own
         elif n.kind in _VIEWS and n.inputs[0] in cand:
             src = graph[n.inputs[0]]
             aliases = [None if st is None else _alias(n, FixedLayout(src.size, st, src.dtype))
@@ -170,6 +173,21 @@ def _alias(node: Node, lay: FixedLayout) -> Optional[tuple]:
     if node.kind == "permute":
         return tuple(lay.stride[d] for d in node.dims)
     return view_strides(lay.size, lay.stride, node.size)
+
+
+def _sliced(node: Node, source: FixedLayout) -> FixedLayout:
+    """A slice's layout: its source's strides at its own size."""
+    return FixedLayout(node.size, source.stride, node.dtype)
+
+
+def _is_dense(lay: FixedLayout, want: Want) -> bool:
+    return is_dense_in_order(lay.size, lay.stride, want)
+
+
+def _slice_like(lay: FixedLayout) -> bool:
+    """In some label's order without being dense in it (a slice of a dense
+    buffer): a dense reader copies it even when it reads it in that order."""
+    return any(lay.is_in_order(l) and not _is_dense(lay, l) for l in LABELS)
 
 
 def _produced(node: Node, label: str, memo: Optional[dict] = None) -> FixedLayout:
@@ -269,8 +287,9 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
             sl = layout_of[src]
             nb = nbytes_hint(sl.size, sl.dtype)
             tag = key[1] if isinstance(key[1], str) else "order" + "".join(map(str, key[1]))
-            name = f"{src}@{tag}" if reason == "layout" else f"{consumer}@copy"
-            c = copies[key] = Copy(name, src, lay, sl, nb, cm.copy_cost(nb, sl.dtype), reason)
+            name = f"{src}@{tag}" if reason in ("layout", "dense") else f"{consumer}@copy"
+            cost = (cm.gather_cost if reason == "dense" else cm.copy_cost)(nb, sl.dtype)
+            c = copies[key] = Copy(name, src, lay, sl, nb, cost, reason)
         c.consumers.append(consumer)
         return c
 
@@ -286,12 +305,13 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
         for i, want in _reads(node, graph, label):
             src = node.inputs[i]
             sl = layout_of[src]
-            if want is None or sl.is_in_order(want):
+            if want is None or (_is_dense(sl, want) if node.dense_reads else sl.is_in_order(want)):
                 reads[(name, i)] = src
             else:
                 want = _canon(sl.size, want)
                 lay = FixedLayout(sl.size, strides_for_order(sl.size, want), sl.dtype)
-                reads[(name, i)] = new_copy((src, want), src, lay, "layout", name).name
+                reason = "dense" if sl.is_in_order(want) else "layout"  # a slice made dense, or converted
+                reads[(name, i)] = new_copy((src, want), src, lay, reason, name).name
         if k == "conv":
             cost = cm.conv_cost(node)
             convs[name] = ConvDecision(name, label, cost)
@@ -300,6 +320,8 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
         elif k == "pool" and label is not None:
             op_total += cm.pool_cost(node)[LABELS.index(label)]
             layout_of[name] = _produced(node, label, memo)
+        elif k == "slice":
+            layout_of[name] = _sliced(node, layout_of[node.inputs[0]])
         elif k in _VIEWS:
             src = node.inputs[0]
             alias = _alias(node, layout_of[src])
@@ -406,6 +428,7 @@ class _Builder:
             src = self._chain_source(g[name])
             self.var[name] = self.var[src] if src is not None else e.var()
         wants: Dict[str, List[Tuple[str, Want]]] = {n.name: [] for n in g}  # buffer -> (consumer, want)
+        dense_reads: List[Tuple[str, str, Want]] = []  # (slice-like buffer, dense reader, want)
         for node in g:
             name, k = node.name, node.kind
             x = self.var.get(name)
@@ -418,7 +441,10 @@ class _Builder:
                 if want is None:
                     continue
                 src = node.inputs[i]
-                if x is not None and k in ("conv",) + _AGNOSTIC:
+                if node.dense_reads and any(_slice_like(l) for l in self.lay[src].values()):
+                    dense_reads.append((src, name, "LABEL" if x is not None and k in ("conv",) + _AGNOSTIC
+                                        else _canon(g[src].size, want)))
+                elif x is not None and k in ("conv",) + _AGNOSTIC:
                     wants[src].append((name, "LABEL"))
                 else:
                     wants[src].append((name, _canon(g[src].size, want)))
@@ -427,7 +453,11 @@ class _Builder:
                 e.add_unary(x, c.nchw_us, c.nhwc_us)
             elif k == "pool" and x is not None:
                 e.add_unary(x, *self.cm.pool_cost(node))
-            if k in _VIEWS:
+            if k == "slice":
+                src = node.inputs[0]
+                self.dep[name] = self.dep[src]
+                self.lay[name] = {v: _sliced(node, l) for v, l in self.lay[src].items()}
+            elif k in _VIEWS:
                 self._view(node, x)
             elif x is not None:
                 self.dep[name] = x
@@ -443,12 +473,41 @@ class _Builder:
             if group:
                 root = self.dep[b] if self.dep[b] is not None else group[0]
                 same += [(root, c, 1) for c in group if c != root]
+        same += [(self.dep[b], self.var[c], 1) for b, c, w in dense_reads
+                 if w == "LABEL" and self.dep[b] is not None]
+        readers = [b for b, _, _ in dense_reads]
+        # Dense reads are priced per reader: exact unless a copy could be shared.
+        self.exact &= all(readers.count(b) == 1 and not wants[b] for b in readers)
         self.pol = e.polarities(same)
         e.fixed_pol = dict(enumerate(self.pol))  # aux terms below are built consistent with these
         for b, ws in wants.items():
             if ws:
                 self._copies(b, ws)
+        for b, c, w in dense_reads:
+            self._dense_copy(b, c, w)
         return e
+
+    def _dense_copy(self, b: str, c: str, w: Want) -> None:
+        """A dense reader of a slice-like buffer: a copy unless the buffer is dense
+        in the order it reads (priced per reader: a copy two readers would share
+        is counted twice, an overestimate; `materialize` counts it once)."""
+        d, lay = self.dep[b], self.lay[b]
+        node = self.g[b]
+        nb = nbytes_hint(node.size, node.dtype)
+        convert, gather = self.cm.copy_cost(nb, node.dtype), self.cm.gather_cost(nb, node.dtype)
+
+        def miss(v, want):
+            return 0.0 if _is_dense(lay[v], want) else gather if lay[v].is_in_order(want) else convert
+        vals = sorted(lay)
+        if w != "LABEL":
+            self._cost_on(d, {v: miss(v, w) for v in vals})
+            return
+        miss = [[miss(v, LABELS[l]) for v in vals] for l in (0, 1)]
+        x = self.var[c]
+        if d is None:
+            self.e.add_unary(x, miss[0][0], miss[1][0])
+        else:
+            self.e.add_pairwise(d, x, miss[0][0], miss[1][0], miss[0][1], miss[1][1])
 
     def _view(self, node: Node, y: Optional[int]) -> None:
         src = node.inputs[0]
