@@ -485,6 +485,60 @@ class Lowering:
         node.rule = ir.SLICE
         return out
 
+    def _grouped_conv(self, n: FxNode):
+        """`cat([conv_i(piece_i) for each piece of a split], dim=1)` with alike convs
+        (MixNet's mixed 1x1 convs): one grouped conv over the split's input, its
+        weight and bias the convs' concatenated (computed once per module state).
+        The pieces are not copied dense, nothing is concatenated, and a batch-norm
+        after the cat folds into the one conv. The values are the convs' (a grouped
+        conv computes each group from its own channels), up to summation order."""
+        parts, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        if not isinstance(parts, (list, tuple)) or len(parts) < 2 or not all(isinstance(p, FxNode) for p in parts):
+            return None
+        convs = [self.env[p].producer if isinstance(self.env[p], ir.Buffer) else None for p in parts]
+        if not all(isinstance(c, ir.Conv) for c in convs) or any(len(p.users) != 1 for p in parts):
+            return None
+        first = convs[0]
+        pieces = [c.x.producer for c in convs]
+        split = pieces[0].inputs[0].producer if isinstance(pieces[0], ir.Getitem) else None
+        if (type(dim) is not int or dim % first.out.rank != 1 or not isinstance(split, ir.Aten)
+                or split.target not in T.SPLIT_OPS
+                or not all(type(s) is int for s in (first.x.size[1], split.args[0].size[1]))
+                or [T.split_piece(split, i) for i in range(len(convs))]
+                != [(1, i * first.x.size[1], (i + 1) * first.x.size[1]) for i in range(len(convs))]
+                or [p.index if isinstance(p, ir.Getitem) and p.inputs[0] is split.out else None for p in pieces]
+                != list(range(len(convs)))
+                # Nothing else reads a piece or the split, before or after the cat.
+                or any(len(p.args[0].users) != 1 for p in parts)
+                or len(parts[0].args[0].args[0].users) != len(convs)
+                or split.args[0].size[1] != len(convs) * first.x.size[1]):  # the pieces cover it
+            return None
+        alike = all(
+            c.bn is None and not c.post_ops and not c.linear and c.weight.constant
+            and (c.bias is None) == (first.bias is None) and (c.bias is None or c.bias.constant)
+            and (c.stride, c.padding, c.dilation, c.groups) == (first.stride, first.padding, first.dilation, first.groups)
+            and L.same_sizes(c.weight.size, first.weight.size) and c.weight.dtype == first.weight.dtype
+            and all(type(s) is int for s in c.weight.size) for c in convs)
+        if not alike:
+            return None
+
+        def concatenated(name, bufs):
+            size = (sum(b.size[0] for b in bufs),) + tuple(bufs[0].size[1:])
+            out = self.g.new_buffer(name, size=size, dtype=bufs[0].dtype, eager_stride=L.contiguous_strides(size))
+            self.g.add(ir.Aten(f"{n.name}_{name}", list(bufs), out, rule=ir.EAGER, target=aten.cat.default,
+                               args=(list(bufs), 0)))
+            out.constant = True
+            return out
+
+        x = split.args[0]
+        w = concatenated("w", [c.weight for c in convs])
+        b = concatenated("b", [c.bias for c in convs]) if first.bias is not None else None
+        out = self._buffer_for(n)
+        self.g.add(ir.Conv(n.name, [x, w] + ([b] if b is not None else []), out, x=x, weight=w, bias=b,
+                           stride=first.stride, padding=first.padding, dilation=first.dilation,
+                           groups=first.groups * len(convs)))
+        return out
+
     def _call(self, n: FxNode):
         t = n.target
         if t in (aten.view.default, aten._unsafe_view.default):
@@ -497,6 +551,10 @@ class Lowering:
                 return r
         if t in T.SPLIT_OPS or t is aten.slice.Tensor:
             return self._slice(n)
+        if t is aten.cat.default:
+            r = self._grouped_conv(n)
+            if r is not None:
+                return r
         if t in REDUCTIONS:
             return self._reduction(n)
         if t is aten.linalg_vector_norm.default:

@@ -16,7 +16,8 @@ An op that is not listed lowers to rule EAGER, is priced as a fallback
 reading eager's layouts, and runs in Python. The IR's own node kinds (Conv,
 Kernel, Reduction, LayerNorm, the pieces of a split) have their C++ rules
 next to `runs_in_cpp`; lowering patterns that span several FX nodes (a conv
-with its batch-norm, a channel shuffle, a linear as a 1x1 conv) are lower.py's.
+with its batch-norm, a channel shuffle, a linear as a 1x1 conv, alike convs
+over a split's pieces) are lower.py's.
 """
 from __future__ import annotations
 
@@ -238,7 +239,8 @@ OPS: Dict[object, AtenOp] = {
     aten.cat.default: AtenOp(ir.FOLLOW, "concat", _cat_in_cpp, lambda em, n, s: em.cat(n, own_cat(n))),
     aten.clone.default: AtenOp(ir.FOLLOW, None, _clone_in_cpp, lambda em, n, s: em.clone(n, clone_order(n))),
     ops.channel_shuffle: AtenOp(ir.FOLLOW, None, _shuffle_in_cpp, lambda em, n, s: em.channel_shuffle(n)),
-    # EAGER, with a C++ form.
+    # EAGER, with a C++ form. A split or slice with static bounds is a view of its
+    # input in its planned layout instead (rule SLICE, given by lower.py: _slice).
     aten.split.Tensor: AtenOp(ir.EAGER, in_cpp=_split_in_cpp, encode=lambda em, n, s: em.split(n)),
     aten.split_with_sizes.default: AtenOp(ir.EAGER, in_cpp=_split_in_cpp, encode=lambda em, n, s: em.split(n)),
     aten.slice.Tensor: AtenOp(ir.EAGER, in_cpp=_slice_in_cpp,

@@ -367,11 +367,13 @@ class MixedBlock(nn.Module):
         self.bn.running_mean.uniform_(-1, 1)
         self.bn.running_var.uniform_(0.5, 2)
         self.pw = nn.ModuleList(nn.Conv2d(3 * c // 2, c, 1) for _ in range(2))
+        self.bn2 = nn.BatchNorm2d(2 * c)
+        self.bn2.running_var.uniform_(0.5, 2)
 
     def forward(self, x):
         pieces = torch.split(self.expand(x), x.shape[1], dim=1)
         y = F.relu(self.bn(torch.cat([conv(p) for conv, p in zip(self.dw, pieces)], 1)))
-        y = torch.cat([conv(p) for conv, p in zip(self.pw, y.chunk(2, 1))], 1)
+        y = self.bn2(torch.cat([conv(p) for conv, p in zip(self.pw, y.chunk(2, 1))], 1))
         c = x.shape[1]
         out = torch.cat([y[:, :c] + x, y[:, c:]], 1)
         if self.piece_out:
@@ -398,7 +400,12 @@ def test_split_pieces_and_slices_are_views_in_the_planned_layout(fmt, batch, gra
     ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad=grad, cpp=cpp)
     assert_same(y, ref, amp)
     nodes = _slice_nodes(compiled_graphs)
-    assert len(nodes) == 4 and all(n.rule == ir.SLICE for n in nodes), [(n.name, n.rule) for n in nodes]
+    assert len(nodes) == 3 and all(n.rule == ir.SLICE for n in nodes), [(n.name, n.rule) for n in nodes]
+    # The 1x1 convs over the chunks are one grouped conv over their input, the
+    # batch-norm after their cat folded into it.
+    convs = [n for n in _nodes(compiled_graphs) if isinstance(n, ir.Conv)]
+    assert sorted(c.groups for c in convs) == [1, 2, 8, 8, 8]
+    assert [(c.bn or c.prefolded) is not None for c in convs if c.groups == 2] == [True]
     plan = compiled_graphs[0].cpu_layout_graph.plan
     # What the convs copy dense is a copy of the plan (in both wrappers, counted).
     assert copies == planned_copies(compiled_graphs), plan.explain()
@@ -420,4 +427,34 @@ def test_a_piece_returned_or_viewed_keeps_eagers_strides(how, cpp, compiled_grap
         assert_same(got, want, False)
     split = [n for n in _slice_nodes(compiled_graphs) if n.multi and n.args[1] in (8, [8, 8, 8])]
     assert len(split) == 1 and split[0].rule == ir.EAGER
+    assert copies == planned_copies(compiled_graphs)
+
+
+class TwoHalves(nn.Module):
+    """1x1 convs over the halves of a split, concatenated: one grouped conv,
+    unless the convs differ, a piece is read again, or the pieces do not
+    cover the input."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a = nn.Conv2d(8, 6, 1)
+        self.b = nn.Conv2d(8, 6, 3 if how == "unlike" else 1, padding=1 if how == "unlike" else 0,
+                           bias=how != "one_bias")
+
+    def forward(self, x):
+        p, q = torch.split(x, 8, 1)[:2]
+        y = torch.cat([self.a(p), self.b(q)], 1)
+        return y + q.mean() if self.how == "reread" else y
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("how", ["alike", "unlike", "one_bias", "reread", "partial"])
+def test_convs_over_a_splits_pieces_are_one_grouped_conv_when_alike(how, cpp, compiled_graphs):
+    model = TwoHalves(how).eval()
+    x = torch.randn(2, 24 if how == "partial" else 16, 7, 5)
+    ref, y, copies = compile_run(model, x, False, compiled_graphs, grad="inference_mode", cpp=cpp)
+    assert_same(y, ref, False)
+    groups = sorted(n.groups for n in _nodes(compiled_graphs) if isinstance(n, ir.Conv))
+    assert groups == ([2] if how == "alike" else [1, 1])
     assert copies == planned_copies(compiled_graphs)
