@@ -458,3 +458,44 @@ def test_convs_over_a_splits_pieces_are_one_grouped_conv_when_alike(how, cpp, co
     groups = sorted(n.groups for n in _nodes(compiled_graphs) if isinstance(n, ir.Conv))
     assert groups == ([2] if how == "alike" else [1, 1])
     assert copies == planned_copies(compiled_graphs)
+
+
+class SplitAttention(nn.Module):
+    """ResNeSt's split attention (radix r): the conv's channels viewed as
+    [B, r, C, H, W], summed over r; a softmax over r weights each split; the
+    weighted splits summed."""
+
+    def __init__(self, c=8, radix=2):
+        super().__init__()
+        self.radix = radix
+        self.conv = nn.Conv2d(c, c * radix, 3, padding=1)
+        self.fc1, self.fc2 = nn.Conv2d(c, 4, 1), nn.Conv2d(4, c * radix, 1)
+        self.out = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        b, rc, h, w = y.shape
+        y = y.reshape(b, self.radix, rc // self.radix, h, w)
+        gap = self.fc2(F.relu(self.fc1(y.sum(dim=1).mean((2, 3), keepdim=True))))
+        attn = F.softmax(gap.view(b, 1, self.radix, -1).transpose(1, 2), dim=1).reshape(b, -1)
+        out = (y * attn.view(b, -1, 1, 1).reshape(b, self.radix, rc // self.radix, 1, 1)).sum(dim=1)
+        return self.out(out.contiguous())
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("radix", [2, 4])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_a_sum_over_split_channels_is_a_sum_of_slices(fmt, radix, grad, amp, cpp, compiled_graphs):
+    model = SplitAttention(radix=radix).eval()
+    x = torch.randn(2, 8, 9, 7).to(memory_format=fmt)
+    ref, y, copies = compile_run(model, x, amp, compiled_graphs, grad=grad, cpp=cpp)
+    assert_same(y, ref, amp)
+    nodes = _nodes(compiled_graphs)
+    # No 5-D tensor is computed or copied: the radix sums add channel slices of the conv.
+    assert not [n for n in nodes if isinstance(n, (ir.Reduction, ir.Kernel)) and n.out.rank == 5]
+    plan = compiled_graphs[0].cpu_layout_graph.plan
+    assert not [c for c in plan.executed_copies if len(c.layout.size) == 5], plan.explain()
+    assert len([n for n in nodes if ir.slice_source(n) is not None]) == 3 * radix  # y twice, the weights
+    assert copies == planned_copies(compiled_graphs)

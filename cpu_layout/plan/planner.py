@@ -496,13 +496,13 @@ class _Builder:
         nb = nbytes_hint(node.size, node.dtype)
         convert, gather = self.cm.copy_cost(nb, node.dtype), self.cm.gather_cost(nb, node.dtype)
 
-        def miss(v, want):
+        def copy_for(v, want):
             return 0.0 if _is_dense(lay[v], want) else gather if lay[v].is_in_order(want) else convert
         vals = sorted(lay)
         if w != "LABEL":
-            self._cost_on(d, {v: miss(v, w) for v in vals})
+            self._cost_on(d, {v: copy_for(v, w) for v in vals})
             return
-        miss = [[miss(v, LABELS[l]) for v in vals] for l in (0, 1)]
+        miss = [[copy_for(v, LABELS[l]) for v in vals] for l in (0, 1)]
         x = self.var[c]
         if d is None:
             self.e.add_unary(x, miss[0][0], miss[1][0])
