@@ -9,7 +9,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from cpu_layout.layout import (
     CHANNELS_LAST, CONTIGUOUS, FixedLayout, FlexibleLayout, channels_last_strides, contiguous_strides,
-    eager_memory_format, is_in_order, matching_labels, order_of, orders_agree, require_order,
+    eager_memory_format, is_dense_in_order, is_in_order, matching_labels, order_of, orders_agree, require_order,
     stride_order, strides_for_order, view_strides,
 )
 
@@ -65,6 +65,30 @@ def test_slices_keep_their_order():
     t = torch.empty(2, 8, 10, 10)[:, :, ::2, 1:]
     assert is_in_order(t.shape, t.stride(), CONTIGUOUS)
     assert not is_in_order(t.shape, t.stride(), CHANNELS_LAST)
+
+
+@pytest.mark.parametrize("size", SIZES_4D)
+def test_is_dense_in_order_matches_torch(size):
+    """Dense tensors in their order (size-1 dims ignored) are dense; slices that are
+    in order are not, unless the slice is whole or every other dim has size 1."""
+    for fmt, label in ((torch.contiguous_format, CONTIGUOUS), (torch.channels_last, CHANNELS_LAST)):
+        t = torch.empty(size).contiguous(memory_format=fmt)
+        assert is_dense_in_order(size, t.stride(), label)
+        wide = torch.empty(size[0], size[1] + 3, *size[2:]).contiguous(memory_format=fmt)[:, 1:size[1] + 1]
+        assert is_in_order(wide.shape, wide.stride(), label)
+        dense = wide.is_contiguous(memory_format=fmt)  # torch's own answer (it ignores size-1 dims too)
+        assert is_dense_in_order(wide.shape, wide.stride(), label) == dense
+
+
+def test_is_dense_in_order_symbolic_batch_no_guards():
+    env, x = fake_input(torch.randn(5, 8, 6, 6), [True, False, False, False])
+    n = len(env.guards)
+    size, stride = tuple(x.shape), tuple(x.stride())
+    assert is_dense_in_order(size, stride, CONTIGUOUS)
+    piece = x[:, :4]
+    assert not is_dense_in_order(tuple(piece.shape), tuple(piece.stride()), CONTIGUOUS)
+    assert is_in_order(tuple(piece.shape), tuple(piece.stride()), CONTIGUOUS)
+    assert len(env.guards) == n
 
 
 def test_seed_bug_layout_is_both_and_never_restrided():
