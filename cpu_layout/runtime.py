@@ -147,17 +147,35 @@ class GraphConstant:
         return self.value
 
 
+def _leaves(v, out: list) -> list:
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            _leaves(x, out)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _leaves(x, out)
+    else:
+        out.append(v)
+    return out
+
+
 class Memoized:
     """Runs `fn` again only when one of its tensor arguments changed (storage
-    or version counter): for nodes computed from module state alone."""
+    or version counter): for nodes computed from module state alone. Tensors
+    inside list arguments count too (a `cat` of weights)."""
 
     def __init__(self, fn):
         self.fn = fn
         self.key = StateKey()
         self.value = None
+        self.nested = None  # whether an argument is a container (fixed per node)
 
     def __call__(self, *args, **kwargs):
         state = args + tuple(kwargs.values()) if kwargs else args
+        if self.nested is None:
+            self.nested = any(isinstance(v, (list, tuple, dict)) for v in state)
+        if self.nested:
+            state = tuple(_leaves(state, []))
         if self.value is None or not self.key.same(state):
             self.value = self.fn(*args, **kwargs)
             self.key.remember(state)

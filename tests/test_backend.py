@@ -233,6 +233,33 @@ def test_load_state_dict_and_in_place_updates_after_compile(amp):
         assert_matches(fn(x), model(x), amp)
 
 
+class ConcatenatedScale(nn.Module):
+    """A per-channel scale concatenated from two parameters in forward: a node
+    computed from module state alone, whose tensors arrive in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.lo, self.hi = nn.Parameter(torch.rand(4) + 0.5), nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return self.conv(x) * torch.cat([self.lo, self.hi]).view(1, 8, 1, 1)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_module_state_concatenated_in_forward_follows_in_place_changes(grad, cpp):
+    model = ConcatenatedScale().eval()
+    x = torch.randn(2, 3, 9, 9)
+    fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+    mode = torch.inference_mode if grad == "inference_mode" else torch.no_grad
+    with torch.no_grad():
+        assert_matches(fn(x), model(x))
+        model.hi.mul_(-3.0)
+    with mode():
+        assert_matches(fn(x), model(x))
+
+
 def test_training_graph_is_not_compiled():
     model = ConvFlattenLinear()  # parameters require grad
     x = torch.randn(2, 3, 16, 16)

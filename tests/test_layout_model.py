@@ -499,3 +499,17 @@ def test_a_sum_over_split_channels_is_a_sum_of_slices(fmt, radix, grad, amp, cpp
     assert not [c for c in plan.executed_copies if len(c.layout.size) == 5], plan.explain()
     assert len([n for n in nodes if ir.slice_source(n) is not None]) == 3 * radix  # y twice, the weights
     assert copies == planned_copies(compiled_graphs)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+def test_a_grouped_conv_follows_its_convs_weights_when_they_change(cpp, compiled_graphs):
+    """The merged weight is computed from the convs' weights: changed in place, it is recomputed."""
+    model = TwoHalves("alike").eval()
+    x = torch.randn(2, 16, 7, 5)
+    with torch.no_grad():
+        fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+        fn(x)
+        model.b.weight.mul_(-2.0)
+        model.a.bias.add_(1.0)
+        assert_same(fn(x), model(x), False)
+    assert sorted(n.groups for n in _nodes(compiled_graphs) if isinstance(n, ir.Conv)) == [2]
