@@ -172,13 +172,15 @@ class Lowering:
             self.g.add(node)
             buf.constant = all(isinstance(t, ir.Buffer) and t.constant for t in ir.values_of(args))
             coeff.append(buf)
-        scaled = self._binary(f"{n.name}_mul", "mul", aten.mul.Tensor, xb, coeff[0], out_v)
-        return _Picked({0: self._binary(f"{n.name}_add", "add", aten.add.Tensor, scaled, coeff[1], out_v)})
+        scaled = self._elementwise(f"{n.name}_mul", "mul", aten.mul.Tensor, [xb, coeff[0]], out_v)
+        return _Picked({0: self._elementwise(f"{n.name}_add", "add", aten.add.Tensor, [scaled, coeff[1]], out_v)})
 
-    def _binary(self, name, op, target, a: ir.Buffer, b: ir.Buffer, like: torch.Tensor) -> ir.Buffer:
-        """A pointwise node made by the lowering itself, shaped like eager's `like`."""
+    def _elementwise(self, name, op, target, args: list, like: torch.Tensor, params=()) -> ir.Buffer:
+        """A pointwise node made by the lowering itself (`args`: buffers and scalars in the
+        op's order), shaped like eager's `like`."""
         out = self.g.new_buffer(size=tuple(like.shape), dtype=like.dtype, eager_stride=tuple(like.stride()))
-        self.g.add(ir.Pointwise(name, [a, b], out, op=op, args=[a, b], aten=(target, (a, b), {})))
+        self.g.add(ir.Pointwise(name, [a for a in args if isinstance(a, ir.Buffer)], out, op=op,
+                                args=list(args), params=tuple(params), aten=(target, tuple(args), {})))
         return out
 
     def _pointwise(self, n: FxNode, op: str, args: list, params=()):
@@ -384,27 +386,18 @@ class Lowering:
                                args=(src, 1, i * c, (i + 1) * c)))
             return out
 
-        size = tuple(v.shape)
-
-        def pointwise(name, op, args, target, dtype, last, params=()):
-            out = (self._buffer_for(n) if last else
-                   self.g.new_buffer(size=size, dtype=dtype, eager_stride=L.contiguous_strides(size)))
-            bufs = [a for a in args if isinstance(a, ir.Buffer)]
-            self.g.add(ir.Pointwise(name, bufs, out, op=op, args=list(args), params=params,
-                                    aten=(target, tuple(args), {})))
-            return out
-
+        # Every term and partial sum is shaped like the result (v; its dtype is t's, checked above).
         terms = []
         for i in range(r):
             if per_slice is None:
                 terms.append(piece(views[t], i))
             else:
                 args = [piece(views[a], i) if isinstance(a, ir.Buffer) else a for a in per_slice.args]
-                terms.append(pointwise(f"{n.name}_{per_slice.op}{i}", per_slice.op, args,
-                                       per_slice.aten[0], t.dtype, False, per_slice.params))
+                terms.append(self._elementwise(f"{n.name}_{per_slice.op}{i}", per_slice.op, per_slice.aten[0],
+                                               args, v, per_slice.params))
         acc = terms[0]
         for i, term in enumerate(terms[1:], start=1):
-            acc = pointwise(f"{n.name}_add{i}", "add", [acc, term], aten.add.Tensor, t.dtype, i == r - 1)
+            acc = self._elementwise(f"{n.name}_add{i}", "add", aten.add.Tensor, [acc, term], v)
         return acc
 
     def _reduction(self, n: FxNode):
@@ -568,9 +561,9 @@ class Lowering:
         pieces = list(n.users) if node.multi else [n]
         if node.multi and not all(p.target is operator.getitem for p in pieces):
             return out
-        bounds = [T.split_piece(node, 0)] if node.multi else [T.slice_range(node)]
+        bounds = T.split_piece(node, 0) if node.multi else T.slice_range(node)
         readers = [r for p in pieces for r in p.users]
-        if (bounds[0] is None or not node.inputs[0].is_tensor
+        if (bounds is None or not node.inputs[0].is_tensor
                 or any(r.op == "output" or T.rule_of(r.target) == ir.VIEW for r in readers)):
             return out
         node.rule = ir.SLICE

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import time
 import weakref
+from typing import Optional
 
 import torch
 
@@ -147,13 +148,17 @@ class GraphConstant:
         return self.value
 
 
-def _leaves(v, out: list) -> list:
+def leaves(v, out: Optional[list] = None) -> list:
+    """The non-container values in nested lists, tuples and dicts, in order. (Not
+    pytree's tree_leaves: Memoized calls this every forward, and pytree's recursive
+    closures leave cyclic garbage behind; see exported.py.)"""
+    out = [] if out is None else out
     if isinstance(v, (list, tuple)):
         for x in v:
-            _leaves(x, out)
+            leaves(x, out)
     elif isinstance(v, dict):
         for x in v.values():
-            _leaves(x, out)
+            leaves(x, out)
     else:
         out.append(v)
     return out
@@ -175,7 +180,7 @@ class Memoized:
         if self.nested is None:
             self.nested = any(isinstance(v, (list, tuple, dict)) for v in state)
         if self.nested:
-            state = tuple(_leaves(state, []))
+            state = tuple(leaves(state))
         if self.value is None or not self.key.same(state):
             self.value = self.fn(*args, **kwargs)
             self.key.remember(state)

@@ -99,7 +99,7 @@ def pool_kernel(n: ir.Node):
             and n.out.dtype in _CTYPE and n.inputs[0].dtype == n.out.dtype):
         return None
     a = n.args
-    if not all(type(v) in (int, bool) or v is None for v in _flat(a[1:])):
+    if not all(type(v) in (int, bool) or v is None for v in runtime.leaves(a[1:])):
         return None
     k, st, pad = pool_window(a)
     if len(k) != 2 or len(st) != 2 or len(pad) != 2:
@@ -109,12 +109,6 @@ def pool_kernel(n: ir.Node):
         return PoolKernel(n.out.dtype, "max", k, st, pad, dil, bool(a[5]) if len(a) > 5 else False)
     return PoolKernel(n.out.dtype, "avg", k, st, pad, (1, 1), bool(a[4]) if len(a) > 4 else False,
                       bool(a[5]) if len(a) > 5 else True, a[6] if len(a) > 6 else None)
-
-
-def _flat(v):
-    if isinstance(v, (list, tuple)):
-        return [y for x in v for y in _flat(x)]
-    return [v]
 
 
 def generated(nodes):

@@ -389,11 +389,19 @@ def _slice_nodes(compiled_graphs):
                              torch.ops.aten.slice.Tensor)]
 
 
-@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
-@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
-@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def in_every_mode(test):
+    """Parametrized over both wrappers, fp32 and AMP, no_grad and inference_mode,
+    and an NCHW or NHWC input (`fmt`)."""
+    for mark in (pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"]),
+                 pytest.mark.parametrize("grad", ["no_grad", "inference_mode"]),
+                 pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"]),
+                 pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])):
+        test = mark(test)
+    return test
+
+
+@in_every_mode
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 def test_split_pieces_and_slices_are_views_in_the_planned_layout(fmt, batch, grad, amp, cpp, compiled_graphs):
     model = MixedBlock().eval()
     x = torch.randn(batch, 8, 11, 9).to(memory_format=fmt)
@@ -482,11 +490,8 @@ class SplitAttention(nn.Module):
         return self.out(out.contiguous())
 
 
-@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
-@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
-@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@in_every_mode
 @pytest.mark.parametrize("radix", [2, 4])
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 def test_a_sum_over_split_channels_is_a_sum_of_slices(fmt, radix, grad, amp, cpp, compiled_graphs):
     model = SplitAttention(radix=radix).eval()
     x = torch.randn(2, 8, 9, 7).to(memory_format=fmt)

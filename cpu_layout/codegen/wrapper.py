@@ -61,7 +61,7 @@ class _Emitter:
 
 # ATen calls whose first input is walked densely when planned channels-last
 # (the generated pool kernel); ATen's own NCHW pool is handed it dense too.
-DENSE_READING_ATEN = (torch.ops.aten.max_pool2d.default, torch.ops.aten.avg_pool2d.default)
+_DENSE_READING_ATEN = (torch.ops.aten.max_pool2d.default, torch.ops.aten.avg_pool2d.default)
 
 
 def _required(node: ir.Node, b: ir.Buffer):
@@ -99,7 +99,7 @@ def reads_dense(node: ir.Node, b: ir.Buffer) -> bool:
         return any(a is b for a in node.activations())
     if isinstance(node, ir.Norm):
         return b is node.x
-    return isinstance(node, ir.Aten) and node.target in DENSE_READING_ATEN and b is node.inputs[0]
+    return isinstance(node, ir.Aten) and node.target in _DENSE_READING_ATEN and b is node.inputs[0]
 
 
 def dense_as_planned(b: ir.Buffer) -> bool:

@@ -15,7 +15,7 @@ from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout.op_table import permutation_of
 from cpu_layout.plan import graph as pg
-from cpu_layout.codegen.wrapper import DENSE_READING_ATEN
+from cpu_layout.codegen.wrapper import reads_dense
 from cpu_layout.plan.planner import Plan, plan
 
 aten = torch.ops.aten
@@ -40,10 +40,12 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
     def tensors(bs):
         return tuple(b.name for b in dict.fromkeys(bs) if b.is_tensor and b.name in known)
 
-    def add(node, dense_reads=False):
-        node.constant = bool(g.buffers.get(node.name) is not None and g.buffers[node.name].constant)
-        if dense_reads:
-            node.dense_reads = True
+    def add(node):
+        buf = g.buffers.get(node.name)
+        node.constant = bool(buf is not None and buf.constant)
+        made_by = buf.producer if buf is not None else None
+        if made_by is not None and any(reads_dense(made_by, t) for t in made_by.inputs):
+            node.dense_reads = True  # the wrappers' rule, priced
         pgraph.add(node)
         known.add(node.name)
 
@@ -74,7 +76,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
         elif isinstance(n, ir.Pointwise):
             add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels))
         elif isinstance(n, ir.GroupNorm):  # its result in the order it reads x in
-            add(pg.Pointwise(b.name, tensors([n.x]), b.size, b.dtype, op="group_norm"), dense_reads=True)
+            add(pg.Pointwise(b.name, tensors([n.x]), b.size, b.dtype, op="group_norm"))
         elif isinstance(n, ir.Reduction):
             add(pg.Reduction(b.name, tensors(n.inputs), b.size, b.dtype, dims=n.dims,
                              keepdim=n.keepdim, op=n.kind, strided_reads=True))
@@ -88,8 +90,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
                 kernel = tuple(n.args[1]) if pool and len(n.args) > 1 else ()
                 kernel = kernel * 2 if len(kernel) == 1 else kernel  # [k] means k x k
                 add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=priced,
-                            kernel=kernel if all(type(k) is int for k in kernel) else ()),
-                    dense_reads=n.target in DENSE_READING_ATEN)
+                            kernel=kernel if all(type(k) is int for k in kernel) else ()))
             else:
                 add(pg.Pointwise(b.name, ins, b.size, b.dtype, op=str(n.target)))
         elif n.rule == ir.VIEW and n.inputs[0].name in known:
@@ -116,8 +117,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
             else:
                 wants = tuple(by_name[i].eager_want() for i in ins)
                 stride = b.eager_stride
-            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride, flops=_matmul_flops(n)),
-                dense_reads=isinstance(n, ir.Norm))
+            add(pg.Fallback(b.name, ins, b.size, b.dtype, wants=wants, stride=stride, flops=_matmul_flops(n)))
     return pgraph
 
 

@@ -502,12 +502,15 @@ class _Builder:
         if w != "LABEL":
             self._cost_on(d, {v: copy_for(v, w) for v in vals})
             return
-        miss = [[copy_for(v, LABELS[l]) for v in vals] for l in (0, 1)]
-        x = self.var[c]
+        self._read_in_label(d, self.var[c], [[copy_for(v, LABELS[l]) for v in vals] for l in (0, 1)])
+
+    def _read_in_label(self, d: Optional[int], c: int, miss) -> None:
+        """A consumer (variable c) reading a buffer in its own label: miss[label][value of the
+        buffer's variable d (0 without one)] is what that read costs."""
         if d is None:
-            self.e.add_unary(x, miss[0][0], miss[1][0])
+            self.e.add_unary(c, miss[0][0], miss[1][0])
         else:
-            self.e.add_pairwise(d, x, miss[0][0], miss[1][0], miss[0][1], miss[1][1])
+            self.e.add_pairwise(d, c, miss[0][0], miss[1][0], miss[0][1], miss[1][1])
 
     def _view(self, node: Node, y: Optional[int]) -> None:
         src = node.inputs[0]
@@ -568,10 +571,7 @@ class _Builder:
             # shared copy twice, so the optimum is no longer guaranteed.
             self.exact &= len(var_consumers) == 1
             for c in var_consumers:
-                if d is None:
-                    e.add_unary(c, miss[0][0], miss[1][0])
-                else:
-                    e.add_pairwise(d, c, miss[0][0], miss[1][0], miss[0][1], miss[1][1])
+                self._read_in_label(d, c, miss)
             return
         for l in (0, 1):
             if not any(miss[l]):
