@@ -158,7 +158,7 @@ class Conv(Node):
     # the conv (its weight and bias inputs are already folded); bn is then None.
     prefolded: Optional[BatchNormFold] = None
     post_ops: list = field(default_factory=list)
-    # A linear layer run as this 1x1 conv over [1, K, 1, M] (lower._linear_as_conv).
+    # A linear layer run as this 1x1 conv over [1, K, 1, M] (patterns._linear_as_conv).
     linear: bool = False
     # What runs it: "onednn" (cpu_layout's own) or "aten" (torch's bundled oneDNN,
     # when measured faster in NHWC; schedule.choose_conv_impls).

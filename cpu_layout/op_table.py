@@ -17,7 +17,7 @@ reading eager's layouts, and runs in Python. The IR's own node kinds (Conv,
 Kernel, Reduction, LayerNorm, the pieces of a split) have their C++ rules
 next to `runs_in_cpp`; lowering patterns that span several FX nodes (a conv
 with its batch-norm, a channel shuffle, a linear as a 1x1 conv, alike convs
-over a split's pieces) are lower.py's.
+over a split's pieces) are patterns.py's.
 """
 from __future__ import annotations
 
