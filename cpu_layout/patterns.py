@@ -46,6 +46,26 @@ class Picked:
 
 
 
+def _channel_piece(b: ir.Buffer):
+    """(source, start, end) when `b` is channels [start, end) of `source` (a piece of
+    a split with static sizes, or a step-1 slice, along dim 1), else None."""
+    p = b.producer
+    if isinstance(p, ir.Getitem):
+        split = p.inputs[0].producer
+        if not (isinstance(split, ir.Aten) and split.target in T.SPLIT_OPS):
+            return None
+        src, bounds = split.args[0], T.split_piece(split, p.index)
+    elif isinstance(p, ir.Aten) and p.target is aten.slice.Tensor:
+        src, bounds = p.args[0], T.slice_range(p)
+    else:
+        return None
+    if bounds is None or bounds[0] != 1 or not src.is_tensor or type(src.size[1]) is not int:
+        return None
+    _, start, end = bounds
+    end = src.size[1] if end is None else min(end, src.size[1])  # as ATen clamps it
+    return (src, start, end) if type(start) is int and 0 <= start < end else None
+
+
 class Patterns:
     def _batch_norm(self, n: FxNode):
         x, w, b, mean, var, _momentum, eps = n.args
@@ -313,12 +333,14 @@ class Patterns:
         return Picked(items)
 
     def _grouped_conv(self, n: FxNode):
-        """`cat([conv_i(piece_i) for each piece of a split], dim=1)` with alike convs
-        (MixNet's mixed 1x1 convs): one grouped conv over the split's input, its
-        weight and bias the convs' concatenated (computed once per module state).
-        The pieces are not copied dense, nothing is concatenated, and a batch-norm
-        after the cat folds into the one conv. The values are the convs' (a grouped
-        conv computes each group from its own channels), up to summation order."""
+        """`cat([conv_i(piece_i) for each channel piece of x], dim=1)` with alike convs
+        (MixNet's mixed 1x1 convs): one grouped conv over x, its weight and bias the
+        convs' concatenated (computed once per module state). The pieces may come
+        from one split, from several alike splits of x (torch.export keeps one per
+        use), or from slices. The pieces are not copied dense, nothing is
+        concatenated, and a batch-norm after the cat folds into the one conv. The
+        values are the convs' (a grouped conv computes each group from its own
+        channels), up to summation order."""
         parts, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
         if not isinstance(parts, (list, tuple)) or len(parts) < 2 or not all(isinstance(p, FxNode) for p in parts):
             return None
@@ -326,19 +348,17 @@ class Patterns:
         if not all(isinstance(c, ir.Conv) for c in convs) or any(len(p.users) != 1 for p in parts):
             return None
         first = convs[0]
-        pieces = [c.x.producer for c in convs]
-        split = pieces[0].inputs[0].producer if isinstance(pieces[0], ir.Getitem) else None
-        if (type(dim) is not int or dim % first.out.rank != 1 or not isinstance(split, ir.Aten)
-                or split.target not in T.SPLIT_OPS
-                or not all(type(s) is int for s in (first.x.size[1], split.args[0].size[1]))
-                or [T.split_piece(split, i) for i in range(len(convs))]
-                != [(1, i * first.x.size[1], (i + 1) * first.x.size[1]) for i in range(len(convs))]
-                or [p.index if isinstance(p, ir.Getitem) and p.inputs[0] is split.out else None for p in pieces]
-                != list(range(len(convs)))
-                # Nothing else reads a piece or the split, before or after the cat.
-                or any(len(p.args[0].users) != 1 for p in parts)
-                or len(parts[0].args[0].args[0].users) != len(convs)
-                or split.args[0].size[1] != len(convs) * first.x.size[1]):  # the pieces cover it
+        pieces = [_channel_piece(c.x) for c in convs]
+        if type(dim) is not int or dim % first.out.rank != 1 or None in pieces:
+            return None
+        x = pieces[0][0]
+        width = first.x.size[1]
+        if (type(width) is not int or type(x.size[1]) is not int or x.size[1] != len(convs) * width
+                or [p[1:] for p in pieces] != [(i * width, (i + 1) * width) for i in range(len(convs))]
+                or any(p[0] is not x for p in pieces)
+                # Nothing else reads a piece, before or after the cat (the FX graph's
+                # users: later readers are not lowered yet): its conv, and so the piece, go.
+                or any(len(p.args[0].users) != 1 for p in parts)):
             return None
         alike = all(
             c.bn is None and not c.post_ops and not c.linear and c.weight.constant
@@ -357,7 +377,6 @@ class Patterns:
             out.constant = True
             return out
 
-        x = split.args[0]
         w = concatenated("w", [c.weight for c in convs])
         b = concatenated("b", [c.bias for c in convs]) if first.bias is not None else None
         out = self._buffer_for(n)

@@ -451,20 +451,28 @@ class TwoHalves(nn.Module):
                            bias=how != "one_bias")
 
     def forward(self, x):
-        p, q = torch.split(x, 8, 1)[:2]
+        if self.how == "two_splits":  # one split per piece, as torch.export keeps MixNet's
+            p, q = torch.split(x, 8, 1)[0], torch.split(x, 8, 1)[1]
+        elif self.how == "slices":
+            p, q = x[:, :8], x[:, 8:]
+        elif self.how == "swapped":  # the pieces concatenated in the other order: no grouped conv
+            q, p = x[:, :8], x[:, 8:]
+        else:
+            p, q = torch.split(x, 8, 1)[:2]
         y = torch.cat([self.a(p), self.b(q)], 1)
         return y + q.mean() if self.how == "reread" else y
 
 
 @pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
-@pytest.mark.parametrize("how", ["alike", "unlike", "one_bias", "reread", "partial"])
+@pytest.mark.parametrize("how", ["alike", "two_splits", "slices", "swapped", "unlike", "one_bias", "reread",
+                                 "partial"])
 def test_convs_over_a_splits_pieces_are_one_grouped_conv_when_alike(how, cpp, compiled_graphs):
     model = TwoHalves(how).eval()
     x = torch.randn(2, 24 if how == "partial" else 16, 7, 5)
     ref, y, copies = compile_run(model, x, False, compiled_graphs, grad="inference_mode", cpp=cpp)
     assert_same(y, ref, False)
     groups = sorted(n.groups for n in _nodes(compiled_graphs) if isinstance(n, ir.Conv))
-    assert groups == ([2] if how == "alike" else [1, 1])
+    assert groups == ([2] if how in ("alike", "two_splits", "slices") else [1, 1])
     assert copies == planned_copies(compiled_graphs)
 
 
