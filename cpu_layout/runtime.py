@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 import weakref
 from typing import Optional
@@ -78,14 +79,16 @@ def to_order(x: torch.Tensor, order) -> torch.Tensor:
     return y if y is x else _counted(y)
 
 
-def restride(x, order: str):
+def restride(x, order: str, want: Optional[tuple] = None):
     """Give a graph output exactly the strides eager would, including those of
     size-1 dims (which `is_in_order` rightly ignores but users can see):
-    eager's output is dense in `order`, so torch's own formula gives them."""
+    eager's output is dense in `order`, so torch's own formula gives them.
+    `want`: those strides, when the wrapper knew the size when it was generated."""
     if not isinstance(x, torch.Tensor):
         return x
-    want = L.strides_for_order(tuple(x.shape), order)
-    if tuple(x.stride()) == tuple(want):
+    if want is None:
+        want = L.strides_for_order(tuple(x.shape), order)
+    if x.stride() == want:
         return x
     if not L.is_in_order(tuple(x.shape), tuple(x.stride()), order):
         x = to_order(x, order)
@@ -464,8 +467,16 @@ class SegmentCall:
         self.fn = functools.partial(rt.lib.cl_program_run, handle)
         self.ffi = rt.ffi
         self.copies = rt.lib.cl_layout_copies  # the runtime's layout-copy counter
+        self._lock = threading.Lock()
+        self._held = self._buffers()
         # The program keeps its buffers between calls (clw::Pool); they go when this call does.
         weakref.finalize(self, rt.lib.cl_program_free, handle)
+
+    def _buffers(self):
+        """The output and error arrays of one call: allocated once and reused by
+        the calls that find them free (fewer objects made per forward)."""
+        ffi = self.ffi
+        return ffi.new("uintptr_t[]", max(self.n_outputs, 1)), ffi.new("char[]", 1024)
 
     def __call__(self, acts: list, pack, *scalars):
         ffi = self.ffi
@@ -475,13 +486,19 @@ class SegmentCall:
         acts.clear()
         handles = ffi.new("uintptr_t[]", [_capsule_pointer(c, None) for c in caps] or [0])
         del caps
-        outs = ffi.new("uintptr_t[]", max(self.n_outputs, 1))
         sc = ffi.new("int64_t[]", [int(s) for s in scalars] or [0])
-        err = ffi.new("char[]", 1024)  # per call: segments may run in several threads at once
-        SegmentCall.calls += 1
-        before = self.copies()
-        rc = self.fn(handles, pack, sc, outs, err, 1024)
-        COPIES["count"] += self.copies() - before
-        if rc != 0:
-            raise RuntimeError(f"cpu_layout: {ffi.string(err).decode('utf-8', 'replace')}")
-        return _from_handles([_capsule_new(outs[i], None, None) for i in range(self.n_outputs)])
+        # Segments may run in several threads at once: a call that finds the
+        # buffers taken allocates its own.
+        mine = self._lock.acquire(blocking=False)
+        try:
+            outs, err = self._held if mine else self._buffers()
+            SegmentCall.calls += 1
+            before = self.copies()
+            rc = self.fn(handles, pack, sc, outs, err, 1024)
+            COPIES["count"] += self.copies() - before
+            if rc != 0:
+                raise RuntimeError(f"cpu_layout: {ffi.string(err).decode('utf-8', 'replace')}")
+            return _from_handles([_capsule_new(outs[i], None, None) for i in range(self.n_outputs)])
+        finally:
+            if mine:
+                self._lock.release()

@@ -167,6 +167,59 @@ def test_keyword_inputs_and_nested_outputs():
         assert_matches(out[k], ref[k])
 
 
+class Outputs(nn.Module):
+    """Returns its result as `kind`: one tensor, a tuple, a list or a one-tuple."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return {"one": y, "tuple": (y, y.relu()), "list": [y, y.sum(1)], "single": (y,)}[self.kind]
+
+
+@pytest.mark.parametrize("kind", ["one", "tuple", "list", "single"])
+@pytest.mark.parametrize("cpp", [False, True])
+def test_outputs_come_back_in_the_structure_the_model_returns(kind, cpp):
+    model = Outputs(kind).eval()
+    x = torch.randn(1, 3, 10, 10)
+    f = cpu_layout.compile_exported(export(model, x), {"cpp_wrapper": cpp})
+    with torch.no_grad():
+        out, ref = f(x), model(x)
+    assert type(out) is type(ref)
+    for o, r in (zip(out, ref) if isinstance(ref, (tuple, list)) else [(out, ref)]):
+        assert_matches(o, r)
+
+
+def test_the_autocast_dtype_matters_only_where_autocast_is_on():
+    model = conv_bn()
+    x = torch.randn(2, 3, 16, 16)
+    plain = cpu_layout.compile_exported(export(model, x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # compiled under the state it is called with
+        amp = cpu_layout.compile_exported(export(model, x, amp=True))
+    before = torch.get_autocast_dtype("cpu")
+    try:
+        with torch.no_grad():
+            torch.set_autocast_dtype("cpu", torch.float16)  # autocast itself stays off
+            assert_matches(plain(x), model(x))
+            with pytest.raises(RuntimeError, match="autocast"):
+                amp(x)
+            with torch.autocast("cpu"):  # on, but float16: not what it was compiled for
+                with pytest.raises(RuntimeError, match="autocast"):
+                    amp(x)
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+            with torch.autocast("cpu"):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    ref = model(x)
+                assert_matches(amp(x), ref, amp=True)
+                with pytest.raises(RuntimeError, match="autocast"):
+                    plain(x)
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+
+
 def test_what_it_cannot_compile_runs_as_the_exported_module_with_a_warning(monkeypatch):
     monkeypatch.delenv("CPU_LAYOUT_STRICT")
     model = conv_bn().train()  # batch-norm updates its running stats: buffer mutations
