@@ -8,14 +8,16 @@ copy, or run a pass of its own.
 - the index ramps of a nearest upsample are `upsample_nearest2d`;
 - view/transpose/clone/view is one channel shuffle, and a split after it one
   shuffle per piece (ShuffleNet);
-- alike convs over all pieces of a split, concatenated, are one grouped conv (MixNet);
+- alike convs over all channel pieces of a tensor, concatenated, are one grouped
+  conv (MixNet);
 - a copy of a whole tensor (clone, alias, full slice) is its input (a pass over
   the lowered graph).
 
 `Patterns` is a base of `lower.Lowering`: its methods read the FX graph and
 build IR through Lowering's helpers (`env`, `g`, `_val`, `_arg`, `_buffer_for`,
-`_aten`, `_elementwise`, `_batch_norm_pointwise`). Each returns None when
-its pattern does not match, and the op lowers on its own.
+`_aten`, `_elementwise`, `_batch_norm_pointwise`). A matcher returns None when
+its pattern does not match, and the op lowers on its own (a batch-norm that
+cannot fold lowers as a pointwise one from `_batch_norm` itself).
 """
 from __future__ import annotations
 
@@ -43,7 +45,6 @@ class Picked:
 
     def __init__(self, items: dict):
         self.items = items
-
 
 
 def _channel_piece(b: ir.Buffer):
