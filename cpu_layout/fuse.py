@@ -130,7 +130,10 @@ def _expr(node: ir.Pointwise, env):
 
 
 def _kernelizable(n: ir.Node) -> bool:
-    if not isinstance(n, ir.Pointwise) or not n.out.is_tensor:
+    # A kernel loads tensors: an operand computed at run time as a Python number
+    # (a symbolic size's scale under dynamic shapes) keeps the node on ATen.
+    if (not isinstance(n, ir.Pointwise) or not n.out.is_tensor
+            or any(isinstance(a, ir.Buffer) and not a.is_tensor for a in n.args)):
         return False
     probe = {b: E.Load(0) for b in n.inputs}
     return _expr(n, probe) is not None

@@ -99,6 +99,31 @@ def test_resnet_dynamic_batch(compiled_graphs):
     assert len(compiled_graphs) == 1
 
 
+class UpsampledHead(nn.Module):
+    """A segmentation head's bilinear upsample to the input's size: under dynamic
+    shapes its decomposition multiplies index ramps by a scale computed from the
+    sizes at run time (a Python number, not a tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_an_operand_computed_from_symbolic_sizes_stays_on_aten(amp, compiled_graphs):
+    model = UpsampledHead().eval()
+    fn, y, ref = run_both(model, torch.randn(2, 3, 12, 16), amp=amp, dynamic=True)
+    assert_matches(y, ref, amp)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        x2 = torch.randn(3, 3, 9, 20)
+        assert_matches(fn(x2), model(x2), amp)
+    assert len(compiled_graphs) == 1, "other sizes must not recompile"
+
+
 def test_residual_epilogue_and_batchnorm_are_fused(compiled_graphs):
     model, x = models.build("resnet18")
     run_both(model, x)
