@@ -112,9 +112,12 @@ def test_convnext_blocks_run_without_copies(amp, grad, cpp, compiled_graphs):
     plan = g.plan
     # Only the graph's edges convert (its input to the convs' channels-last, its
     # output to eager's contiguous); every permute inside is an alias, every
-    # layer_norm and linear reads what it is given.
+    # layer_norm and linear reads what it is given. Converting the stem's output
+    # instead of its 3-channel input is a near-tie the measured costs may tip
+    # either way (2.2 against 3 us), so the stem's output counts as an edge.
     edge = {n.out.name for n in g.walk() if isinstance(n, ir.Input) or (  # the input or its AMP cast
         isinstance(n, ir.Kernel) and all(isinstance(b.producer, ir.Input) for b in n.inputs))}
+    edge |= {c.out.name for c in g.convs() if c.x.name in edge}
     inner = [c for c in plan.executed_copies
              if c.source not in edge and not all(u.startswith("output") for u in c.consumers)]
     assert not inner, plan.explain()
