@@ -35,7 +35,7 @@ def autotune_budget() -> float:
         return 2.0
 
 
-CONV_IMPLS = ("auto", "onednn", "onednn_next", "aten")
+CONV_IMPLS = ("auto", "onednn", "onednn_next", "aten", "winograd")
 
 
 def conv_impl() -> str:
@@ -43,7 +43,8 @@ def conv_impl() -> str:
     both can run. auto (default): the faster measured one (plan/measure.py);
     onednn: always cpu_layout's own oneDNN, its first implementation;
     onednn_next: ours on oneDNN's next implementation for every grouped conv
-    (for tests); aten: torch's bundled oneDNN wherever it can (for tests)."""
+    (for tests); aten: torch's bundled oneDNN wherever it can (for tests);
+    winograd: ours on the Winograd kernel wherever it can (for tests)."""
     v = os.environ.get("CPU_LAYOUT_CONV_IMPL", "auto").strip().lower() or "auto"
     if v not in CONV_IMPLS:
         raise ValueError(f"CPU_LAYOUT_CONV_IMPL={v!r}: choose from {', '.join(CONV_IMPLS)}")

@@ -24,6 +24,9 @@ from cpu_layout import _native
 from cpu_layout.layout import CHANNELS_LAST, eager_memory_format
 from cpu_layout._native import ffi, lib
 
+# impl_rank of cpu_layout's own Winograd F(2x2, 3x3) convolution (csrc/winograd.cpp).
+WINOGRAD = lib.CL_IMPL_WINOGRAD
+
 __all__ = [
     "conv1d",
     "conv2d",
@@ -415,8 +418,8 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
     a.src_cl = src_cl
     a.dst_cl = dst_cl
     a.w_cl = w_cl
-    if not (isinstance(impl_rank, int) and 0 <= impl_rank <= 8):
-        raise ValueError(f"impl_rank must be an int in 0..8, got {impl_rank!r}")
+    if not (isinstance(impl_rank, int) and (0 <= impl_rank <= 8 or impl_rank == WINOGRAD)):
+        raise ValueError(f"impl_rank must be an int in 0..8 or ops.WINOGRAD, got {impl_rank!r}")
     a.impl_rank = impl_rank
     a.n, a.ic, a.oc, a.groups = n, ic, oc, groups
     for i in range(nsp):
@@ -568,6 +571,18 @@ def aten_conv_candidate(dtype, in_size, out_size, post_ops) -> Optional[tuple]:
     return aten_conv_attr(post_ops)
 
 
+def winograd_candidate(dtype, kernel, stride, padding, dilation, groups, post_ops) -> bool:
+    """Whether cpu_layout's Winograd F(2x2, 3x3) can run a 2-D conv (in NHWC):
+    float32, 3x3, stride 1, padding 1, no dilation or groups, and post-ops its
+    output transform applies (ReLU and leaky ReLU, clamps, residual adds;
+    csrc/winograd.cpp's `unsupported` is the rule in C++)."""
+    kinds = {lib.CL_PO_RELU, lib.CL_PO_CLAMP, lib.CL_PO_ADD}
+    names = [p if isinstance(p, str) else p[0] for p in post_ops]
+    return (dtype == torch.float32 and groups == 1 and tuple(kernel) == (3, 3) and tuple(stride) == (1, 1)
+            and tuple(padding) == (1, 1) and tuple(dilation) == (1, 1)
+            and all(n in POST_OPS and POST_OPS[n][0] in kinds for n in names))
+
+
 def aten_conv2d(x, weight, bias, stride, padding, dilation, groups, attr: tuple) -> torch.Tensor:
     """A 2-D conv on torch's bundled oneDNN; `attr` from aten_conv_attr. The result is
     channels-last when `x` is."""
@@ -587,7 +602,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post
     out_layout: None (the format eager torch would give), "contiguous"/"nchw"
     or "channels_last"/"nhwc" (torch memory formats work too).
     impl_rank: 0 runs oneDNN's first suitable implementation; k the k-th after
-    it, when there is one (else the first); `impl_name` tells which.
+    it, when there is one (else the first); WINOGRAD cpu_layout's Winograd
+    F(2x2, 3x3) (`winograd_candidate` says when); `impl_name` tells which.
     """
     return _run(2, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank)
 

@@ -162,7 +162,8 @@ def choose_conv_impls(g: ir.Graph) -> None:
     """Each conv the plan runs in NHWC runs on what was measured fastest there
     (its ConvCost): torch's bundled oneDNN where it can run it
     (ops.aten_conv_candidate), else ours on oneDNN's first or next
-    implementation. CPU_LAYOUT_CONV_IMPL overrides the measurement."""
+    implementation or on our Winograd kernel. CPU_LAYOUT_CONV_IMPL overrides
+    the measurement."""
     force = config.conv_impl()
     decided = getattr(getattr(g, "plan", None), "convs", {})
     for n in g.nodes:
@@ -173,6 +174,11 @@ def choose_conv_impls(g: ir.Graph) -> None:
             continue
         if force == "onednn_next":
             n.impl_rank = 1 if n.groups > 1 else 0
+            continue
+        if force == "winograd":
+            if n.x.rank == 4 and ops.winograd_candidate(n.x.dtype, n.weight.size[2:], n.stride, n.padding,
+                                                        n.dilation, n.groups, n.post_ops):
+                n.impl_rank = ops.WINOGRAD
             continue
         d = decided.get(n.out.name)
         if (ops.aten_conv_candidate(n.x.dtype, n.x.size, n.out.size, n.post_ops) is not None

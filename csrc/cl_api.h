@@ -28,6 +28,13 @@ enum {
     CL_MAX_POST_OPS = 8
 };
 
+/* impl_rank: cpu_layout's own Winograd F(2x2, 3x3) instead of a oneDNN convolution
+ * (float32, 3x3, stride 1, padding 1, channels-last, ungrouped; post-ops ReLU,
+ * clamp and residual adds). */
+enum {
+    CL_IMPL_WINOGRAD = 16
+};
+
 typedef struct {
     int kind;
     float alpha;
@@ -45,8 +52,9 @@ typedef struct {
     int src_cl;          /* 1: src is channels-last (NWC/NHWC/NDHWC), 0: NCW/NCHW/NCDHW */
     int dst_cl;
     int w_cl;            /* 1: weight is channels-last (O..I), 0: contiguous (OI..) */
-    int impl_rank;       /* 0: oneDNN's first acceptable implementation; k: the k-th one
-                            after it when there is one (measured faster), else the first */
+    int impl_rank;       /* 0: oneDNN's first acceptable implementation; k (up to 8): the
+                            k-th one after it when there is one (measured faster), else the
+                            first; CL_IMPL_WINOGRAD: cpu_layout's Winograd */
     long long n;
     long long ic;
     long long oc;

@@ -30,6 +30,7 @@ static_assert(DNNL_VERSION_MAJOR == 3 && DNNL_VERSION_MINOR == 2,
 extern "C" {
 #include "cl_api.h"
 }
+#include "winograd.h"
 
 namespace {
 
@@ -193,7 +194,12 @@ void validate(const cl_conv_args &a) {
             fail("output size " + std::to_string(a.out_sp[i]) + " in spatial dim " + std::to_string(i) +
                  " does not follow from input, kernel, stride, padding and dilation");
     }
-    if (a.impl_rank < 0 || a.impl_rank > 8) fail("impl_rank must be 0..8");
+    if (a.impl_rank == CL_IMPL_WINOGRAD) {
+        const std::string why = clwino::unsupported(a);
+        if (!why.empty()) fail(why);
+    } else if (a.impl_rank < 0 || a.impl_rank > 8) {
+        fail("impl_rank must be 0..8 or CL_IMPL_WINOGRAD");
+    }
     if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) fail("too many post-ops");
     for (int i = 0; i < a.n_post_ops; ++i) {
         int k = a.post_ops[i].kind;
@@ -310,6 +316,13 @@ struct ConvEntry {
     std::vector<int> add_slots;  // post-op indices of the other residual adds (binary)
     size_t scratch_bytes = 0;
     std::string impl;
+    // Winograd (impl_rank CL_IMPL_WINOGRAD): prim is unused; the 16 products run on
+    // `products`, over transformed inputs [16][tiles][ic] (wino_in_md) and weights
+    // [16][ic][oc] (wei_md, made by clwino::transform_weight), into [16][tiles][oc].
+    bool wino = false;
+    bool wino_w_cl = false;
+    dnnl::matmul products;
+    memory::desc wino_in_md, wino_out_md;
     // Idle sets of the memory objects one execution binds. A call takes one
     // (concurrent calls never share) and re-points it at its buffers: made per
     // call, they and the argument map execute() takes cost 1.9 us per conv
@@ -485,7 +498,27 @@ dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt comp
     return dnnl::convolution_forward::primitive_desc();
 }
 
+std::shared_ptr<ConvEntry> build_winograd(const cl_conv_args &a) {
+    const long long t = clwino::tiles(a.n, a.out_sp[0], a.out_sp[1]);
+    auto e = std::make_shared<ConvEntry>();
+    e->wino = true;
+    e->wino_w_cl = a.w_cl != 0;
+    e->wino_in_md = memory::desc({16, t, a.ic}, dt::f32, tag::abc);
+    e->wei_md = memory::desc({16, a.ic, a.oc}, dt::f32, tag::abc);
+    e->wino_out_md = memory::desc({16, t, a.oc}, dt::f32, tag::abc);
+    e->user_wei_md = memory::desc({a.oc, a.ic, 3, 3}, dt::f32, a.w_cl ? tag::ohwi : tag::oihw);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd(cpu_engine(), e->wino_in_md, e->wei_md, e->wino_out_md, attr);
+    e->products = dnnl::matmul(pd);
+    e->scratch_md = pd.scratchpad_desc();
+    e->scratch_bytes = e->scratch_md.get_size();
+    e->impl = std::string("cpu_layout winograd F(2x2,3x3), products on matmul ") + pd.impl_info_str();
+    return e;
+}
+
 std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
+    if (a.impl_rank == CL_IMPL_WINOGRAD) return build_winograd(a);
     const dt data_dt = to_dt(a.dtype);
     const bool scl = a.src_cl, dcl = a.dst_cl;
 
@@ -675,11 +708,17 @@ class WeightCache {
             for (auto &s : r.slots)
                 if (s.md == e.wei_md && s.user_md == e.user_wei_md) return s.mem;
         }
-        memory user(e.user_wei_md, cpu_engine(), const_cast<void *>(user_ptr));
         memory packed(e.wei_md, cpu_engine());
-        dnnl::stream &s = thread_stream();
-        dnnl::reorder(user, packed).execute(s, user, packed);
-        s.wait();
+        if (e.wino) {
+            const memory::dims d = e.wei_md.get_dims();  // [16][ic][oc]
+            clwino::transform_weight(static_cast<const float *>(user_ptr), e.wino_w_cl, d[1], d[2],
+                                     static_cast<float *>(packed.get_data_handle()));
+        } else {
+            memory user(e.user_wei_md, cpu_engine(), const_cast<void *>(user_ptr));
+            dnnl::stream &s = thread_stream();
+            dnnl::reorder(user, packed).execute(s, user, packed);
+            s.wait();
+        }
         g_stats.weight_reorders++;
         std::lock_guard<std::mutex> g(mu_);
         Record &r = records_[id];
@@ -740,6 +779,31 @@ void parallel_copy(void *dst, const void *src, size_t bytes) {
     }
 }
 
+// Winograd: transformed input -> 16 matrix products -> output transform with bias and post-ops.
+void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, const memory &wei, const void *bias,
+                  void *dst, const uintptr_t *residuals) {
+    auto align = [](size_t n) { return (n + 63) & ~size_t(63); };
+    const size_t in_b = align(e.wino_in_md.get_size()), out_b = align(e.wino_out_md.get_size());
+    uint8_t *tmp = t_temps.get(in_b + out_b);
+    float *v = reinterpret_cast<float *>(tmp), *m = reinterpret_cast<float *>(tmp + in_b);
+    const long long h = a.in_sp[0], w = a.in_sp[1];
+    clwino::transform_input(static_cast<const float *>(src), a.n, h, w, a.ic, v);
+    const dnnl::engine &eng = cpu_engine();
+    memory vm(e.wino_in_md, eng, v), mm(e.wino_out_md, eng, m), sm(e.scratch_md, eng, t_scratch.get(e.scratch_bytes));
+    dnnl::stream &s = thread_stream();
+    e.products.execute(s, {{DNNL_ARG_SRC, vm}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, mm}, {DNNL_ARG_SCRATCHPAD, sm}});
+    s.wait();
+    const float *res[CL_MAX_POST_OPS];
+    int n_res = 0;
+    for (int i = 0; i < a.n_post_ops; ++i)
+        if (a.post_ops[i].kind == CL_PO_ADD) {
+            res[n_res] = reinterpret_cast<const float *>(residuals[n_res]);
+            ++n_res;
+        }
+    clwino::transform_output(m, a.n, h, w, a.oc, static_cast<const float *>(bias), a.post_ops, a.n_post_ops, res,
+                             static_cast<float *>(dst));
+}
+
 void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsigned long long weight_id,
               long long weight_version, const void *bias, void *dst, const uintptr_t *residuals) {
     validate(a);
@@ -758,6 +822,13 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
             if (!residuals[r]) throw std::invalid_argument("residual add without a tensor");
     }
     memory wei = weight_cache().get(weight_id, weight_version, weight, e);
+    if (e.wino) {
+        for (int i = 0, r = 0; i < a.n_post_ops; ++i)
+            if (a.post_ops[i].kind == CL_PO_ADD && (!residuals || !residuals[r++]))
+                throw std::invalid_argument("residual add without a tensor");
+        run_winograd(a, e, src, wei, a.has_bias ? bias : nullptr, dst, residuals);
+        return;
+    }
     dnnl::stream &s = thread_stream();
 
     // Temporaries, only when converting: [src][dst][residual...][bias f32]

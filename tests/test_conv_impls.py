@@ -1,6 +1,6 @@
 """A channels-last conv runs on cpu_layout's oneDNN (its first or next
-implementation) or on torch's bundled one, whichever was measured faster
-(plan/measure.py, schedule.choose_conv_impls).
+implementation), on cpu_layout's Winograd kernel or on torch's bundled oneDNN,
+whichever was measured faster (plan/measure.py, schedule.choose_conv_impls).
 Every candidate must give eager's values and strides in both wrappers, follow
 weight changes, and run from several threads; CPU_LAYOUT_CONV_IMPL forces one."""
 import threading
@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from cpu_layout import ir, ops
 from cpu_layout.plan import measure
 
-IMPLS = ["onednn", "onednn_next", "aten"]
+IMPLS = ["onednn", "onednn_next", "aten", "winograd"]
 MODES = [False, True]
 
 
 class Mixed(nn.Module):
-    """conv+BN+SiLU, depthwise+hardswish, strided+ReLU6, a residual conv (ours only)."""
+    """conv+BN+SiLU, depthwise+hardswish, strided+ReLU6, two residual convs (not
+    torch's): a 3x3 stride-1 one (Winograd's) and a 1x1."""
 
     def __init__(self):
         super().__init__()
@@ -26,12 +27,14 @@ class Mixed(nn.Module):
         self.bn = nn.BatchNorm2d(32)
         self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
         self.c2 = nn.Conv2d(32, 32, 3, stride=2, padding=1)
+        self.c4 = nn.Conv2d(32, 32, 3, padding=1)
         self.c3 = nn.Conv2d(32, 32, 1)
 
     def forward(self, x):
         y = F.silu(self.bn(self.c1(x)))
         y = F.hardswish(self.dw(y))
         y = F.relu6(self.c2(y))
+        y = F.relu(self.c4(y) + y)
         return F.relu(self.c3(y) + y)
 
 
@@ -104,14 +107,16 @@ def test_each_candidate_gives_eagers_values_and_strides(impl, cpp, amp, grad_mod
             tol = 5e-2 if amp else 1e-4
             torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
     assert len(compiled_graphs) == 2  # batch 2, then a dynamic batch
+    wino = "onednn" if amp else f"onednn:{ops.WINOGRAD}"  # Winograd runs float32 only
     for g in compiled_graphs:
-        # The residual conv (two post-ops: add, relu) stays on ours whatever is forced.
-        want = {"aten": ["aten"] * 3 + ["onednn"], "onednn_next": ["onednn"] * 3 + ["onednn:1"],
-                "onednn": ["onednn"] * 4}[impl]  # onednn_next: the depthwise conv
+        # The residual convs (two post-ops: add, relu) stay on ours whatever is forced.
+        want = {"aten": ["aten"] * 3 + ["onednn"] * 2, "onednn_next": ["onednn"] * 4 + ["onednn:1"],
+                "onednn": ["onednn"] * 5,  # onednn_next: the depthwise conv; winograd: the 3x3 stride-1 one
+                "winograd": sorted(["onednn"] * 4 + [wino])}[impl]
         assert _impls(g) == want
 
 
-@pytest.mark.parametrize("impl", ["onednn_next", "aten"])
+@pytest.mark.parametrize("impl", ["onednn_next", "aten", "winograd"])
 @pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
 def test_each_candidate_follows_weight_changes(cpp, impl, monkeypatch):
     monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", impl)
@@ -121,13 +126,15 @@ def test_each_candidate_follows_weight_changes(cpp, impl, monkeypatch):
     with torch.no_grad():
         fn(x)
         model.dw.weight.mul_(-2.0)                # in place
+        model.c4.weight.mul_(-0.5)
         model.bn.running_var.add_(1.0)            # a folded source
         torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
         model.c2.weight = nn.Parameter(torch.randn_like(model.c2.weight))  # replaced
+        model.c4.weight = nn.Parameter(torch.randn_like(model.c4.weight) * 0.1)
         torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["onednn_next", "aten"])
+@pytest.mark.parametrize("impl", ["onednn_next", "aten", "winograd"])
 @pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
 def test_each_candidate_runs_from_several_threads(cpp, impl, monkeypatch):
     monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", impl)
@@ -179,6 +186,73 @@ def test_onednns_next_implementation_is_chosen_beyond_its_margin():
     assert measure.measured_cost([100.0, 80.0, nxt * (1 - measure.ATEN_MARGIN) + 1.0, nxt]).nhwc_rank == 1
 
 
+def test_winograd_is_chosen_beyond_its_margin():
+    wino = 80.0 * (1 - measure.WINOGRAD_MARGIN) - 1.0
+    cost = measure.measured_cost([100.0, 80.0, None, None, wino])
+    assert (cost.nhwc_impl, cost.nhwc_rank, cost.nhwc_us) == ("onednn", ops.WINOGRAD, wino)
+    assert "Winograd" in cost.source
+    assert measure.measured_cost([100.0, 80.0, None, None, 80.0 * (1 - measure.WINOGRAD_MARGIN) + 1.0]).nhwc_rank == 0
+    assert measure.measured_cost([100.0, 80.0, None, None, None]).nhwc_rank == 0
+
+
+@pytest.mark.parametrize("n, c, k, h, w", [(1, 64, 64, 14, 14), (2, 5, 7, 7, 9), (3, 16, 24, 1, 1),
+                                           (1, 32, 48, 2, 3), (2, 17, 33, 6, 5)])
+@pytest.mark.parametrize("post_ops", [[], ["relu"], [("leaky_relu", 0.1)], ["relu6"], [("clamp", -0.5, 0.7)],
+                                      ["add", "relu"], ["relu", "add"], ["add", "add"]])
+@pytest.mark.parametrize("bias", [True, False])
+def test_winograd_gives_the_direct_convs_values(n, c, k, h, w, post_ops, bias):
+    gen = torch.Generator().manual_seed(n * 1000 + c * 10 + h)
+    x = torch.randn(n, c, h, w, generator=gen).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(k, c, 3, 3, generator=gen) * 0.2
+    b = torch.randn(k, generator=gen) if bias else None
+    res = [torch.randn(n, k, h, w, generator=gen).contiguous(memory_format=torch.channels_last)
+           for p in post_ops if p == "add"]
+    it = iter(res)
+    post = [("add", next(it)) if p == "add" else p for p in post_ops]
+    it = iter(res)
+    ref = F.conv2d(x, wt, b, padding=1)
+    for p in post_ops:
+        name = p if isinstance(p, str) else p[0]
+        ref = {"relu": F.relu, "relu6": F.relu6, "add": lambda t: t + next(it),
+               "leaky_relu": lambda t: F.leaky_relu(t, 0.1), "clamp": lambda t: t.clamp(-0.5, 0.7)}[name](ref)
+    for w_layout in (torch.contiguous_format, torch.channels_last):  # OIHW or OHWI weights
+        y = ops.conv2d(x, wt.contiguous(memory_format=w_layout), b, padding=1, post_ops=post, out_layout="nhwc",
+                       impl_rank=ops.WINOGRAD)
+        assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_winograd_refuses_what_it_cannot_run_with_the_reason():
+    x = torch.randn(1, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 8, 3, 3)
+    assert ops.winograd_candidate(torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 1, ["relu", "add"])
+    assert not ops.winograd_candidate(torch.bfloat16, (3, 3), (1, 1), (1, 1), (1, 1), 1, [])
+    assert not ops.winograd_candidate(torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 1, [])
+    assert not ops.winograd_candidate(torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 1, ["silu"])
+    for kw, why in [(dict(stride=2, padding=1), "stride 1"), (dict(padding=0), "padding 1"),
+                    (dict(padding=1, post_ops=["silu"]), "ReLU, clamp"),
+                    (dict(padding=1, out_layout="nchw"), "channels-last")]:
+        with pytest.raises(ValueError, match=why):
+            ops.conv2d(x, w, impl_rank=ops.WINOGRAD, **{"out_layout": "nhwc", **kw})
+    with pytest.raises(ValueError, match="float32"):
+        ops.conv2d(x.bfloat16(), w.bfloat16(), padding=1, out_layout="nhwc", impl_rank=ops.WINOGRAD)
+    assert "winograd" in ops.impl_name(x, w, padding=1, out_layout="nhwc", impl_rank=ops.WINOGRAD)
+
+
+def test_winograd_is_timed_for_the_convs_it_can_run():
+    from cpu_layout.plan import graph as pg
+
+    def conv(dtype=torch.float32, k=3, post_ops=("relu", "add")):
+        return pg.Conv("c", (), (1, 16, 10, 10), dtype, in_size=(1, 16, 10, 10), out_channels=16,
+                       kernel=(k, k), stride=(1, 1), padding=(k // 2, k // 2), dilation=(1, 1), groups=1,
+                       post_ops=post_ops)
+
+    assert measure._measure(conv(), rounds=1)[4] > 0
+    assert measure._measure(conv(dtype=torch.bfloat16), rounds=1)[4] is None
+    assert measure._measure(conv(k=1), rounds=1)[4] is None
+    assert measure._measure(conv(post_ops=("silu",)), rounds=1)[4] is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_implementation_rank_gives_the_same_conv(dtype):
     x = torch.randn(2, 32, 14, 14).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -226,7 +300,7 @@ def test_the_plan_runs_a_conv_where_it_measured_faster(faster, monkeypatch, comp
     x = torch.randn(2, 8, 12, 12)
     with torch.no_grad():
         torch.testing.assert_close(_compile(model, True)(x), model(x), rtol=1e-4, atol=1e-4)
-    assert _impls(compiled_graphs[0]) == (["aten"] * 3 + ["onednn"] if faster else ["onednn"] * 4)
+    assert _impls(compiled_graphs[0]) == (["aten"] * 3 + ["onednn"] * 2 if faster else ["onednn"] * 5)
 
 
 def test_an_unknown_conv_impl_setting_is_an_error(monkeypatch):

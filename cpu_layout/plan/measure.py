@@ -20,12 +20,15 @@ when at least NEXT_MARGIN faster (`ConvCost.nhwc_rank`): oneDNN 3.2 ranks
 brdgmm_dw first for every NHWC depthwise conv, and jit_dw is the faster one
 for some shapes (EPYC Zen 4, batch 8, 2 threads: C16 112x112 0.46 vs 0.74 ms,
 C120 28x28 5x5 0.29 vs 0.37 ms; the other way round 0.76 vs 1.16 ms at C72
-56x56). Dense convs
-are not: of 706 dense shapes timed on both (torchvision's models, batch 1
+56x56). A float32 3x3 stride-1 conv is also timed on cpu_layout's Winograd
+kernel (`ops.winograd_candidate`), which runs it when at least
+WINOGRAD_MARGIN faster (`ConvCost.nhwc_rank` = ops.WINOGRAD): 1.3-1.9x on
+resnet50's 3x3 convs at 56 to 14 px, slower at 7 px. Dense convs
+are not timed on torch's oneDNN: of 706 dense shapes timed on both (torchvision's models, batch 1
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
 compile of resnet50 or densenet121 spent. Results are cached on disk per
-oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv5-<isa>-<threads>t.json`,
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv6-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
@@ -57,6 +60,10 @@ ATEN_MARGIN = 0.15
 # Ours on oneDNN's next implementation: the same buffers either way, so only
 # the timing's noise to stay clear of.
 NEXT_MARGIN = 0.05
+# Ours on the Winograd kernel: the same buffers as well (its transforms' scratch is
+# per thread and reused), and values that differ from the direct conv's by a few
+# ulps of the sums: taken when clearly faster.
+WINOGRAD_MARGIN = 0.10
 
 
 class MeasuredCostModel(CostModel):
@@ -74,7 +81,7 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv5-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv6-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
         if self._disk is None:
@@ -141,16 +148,25 @@ class MeasuredCostModel(CostModel):
 
 def measured_cost(got) -> ConvCost:
     """The cost of a conv from its timings [NCHW, NHWC, torch's oneDNN NHWC or None,
-    ours NHWC on oneDNN's next implementation or None] (µs)."""
+    ours NHWC on oneDNN's next implementation or None, ours NHWC on the Winograd
+    kernel or None] (µs)."""
+    from cpu_layout.ops import WINOGRAD
+
     nchw, nhwc = got[0], got[1]
     aten = got[2] if len(got) > 2 else None
     nxt = got[3] if len(got) > 3 else None
+    wino = got[4] if len(got) > 4 else None
     text = f"measured: ours NCHW {nchw:.0f} us, NHWC {nhwc:.0f} us"
     rank = 0
     if nxt is not None:
         text += f", NHWC on oneDNN's next implementation {nxt:.0f} us"
         if nxt < (1.0 - NEXT_MARGIN) * nhwc:
             nhwc, rank = nxt, 1
+            text += " (NHWC runs on it)"
+    if wino is not None:
+        text += f", NHWC on Winograd {wino:.0f} us"
+        if wino < (1.0 - WINOGRAD_MARGIN) * nhwc:
+            nhwc, rank = wino, WINOGRAD
             text += " (NHWC runs on it)"
     if aten is not None:
         text += f", torch's oneDNN NHWC {aten:.0f} us"
@@ -199,6 +215,10 @@ def _measure_real(conv, rounds):
         if names[1] != names[0]:
             runs["next"] = lambda: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
                                               impl_rank=1, **args)
+    if ops.winograd_candidate(conv.dtype, conv.kernel, conv.stride, conv.padding, conv.dilation, conv.groups,
+                              conv.post_ops):
+        runs["wino"] = lambda: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
+                                          impl_rank=ops.WINOGRAD, **args)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for run in runs.values():
@@ -209,4 +229,4 @@ def _measure_real(conv, rounds):
                 run()
                 times[k].append((time.perf_counter() - t0) * 1e6)
     return [min(times["nchw"]), min(times["nhwc"])] + [min(times[k]) if k in times else None
-                                                       for k in ("aten", "next")]
+                                                       for k in ("aten", "next", "wino")]

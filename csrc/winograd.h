@@ -1,0 +1,31 @@
+// Winograd F(2x2, 3x3) transforms for cpu_layout's own 3x3 stride-1 convolution
+// (conv.cpp runs the 16 matrix products on oneDNN's matmul between them).
+// Include after cl_api.h (it has no include guard: cffi reads it verbatim).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace clwino {
+
+// Empty when the problem is one the Winograd path computes, else why not.
+std::string unsupported(const cl_conv_args &a);
+
+// Tiles of 2x2 outputs over a batch of HxW images.
+inline int64_t tiles(int64_t n, int64_t h, int64_t w) { return n * ((h + 1) / 2) * ((w + 1) / 2); }
+
+// u[16][c][k] = G g G^T of each (k, c) 3x3 filter of w: [k][c][3][3] (OIHW), or
+// [k][3][3][c] when w_cl (OHWI).
+void transform_weight(const float *w, bool w_cl, int64_t c, int64_t k, float *u);
+
+// v[16][tiles][c] = B^T d B of each tile's 4x4 input patch (zero outside the image);
+// x: [n][h][w][c] (NHWC), padding 1.
+void transform_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, float *v);
+
+// y[n][h][w][k] (NHWC) = A^T m A of each tile (m: [16][tiles][k]) plus bias, then the
+// post-ops in order: CL_PO_RELU (alpha: negative slope), CL_PO_CLAMP, CL_PO_ADD (the next
+// of `residuals`, NHWC like y; the first may be y's own storage).
+void transform_output(const float *m, int64_t n, int64_t h, int64_t w, int64_t k, const float *bias,
+                      const cl_post_op *post_ops, int n_post_ops, const float *const *residuals, float *y);
+
+}  // namespace clwino
