@@ -317,8 +317,9 @@ struct ConvEntry {
     size_t scratch_bytes = 0;
     std::string impl;
     // Winograd (impl_rank CL_IMPL_WINOGRAD): prim is unused; the 16 products run on
-    // `products`, over transformed inputs [16][tiles][ic] (wino_in_md) and weights
-    // [16][ic][oc] (wei_md, made by clwino::transform_weight), into [16][tiles][oc].
+    // `products`, a block of tiles at a time (clwino::block_tiles), over transformed
+    // inputs [16][block][ic] (wino_in_md) and weights [16][ic][oc] (wei_md, made by
+    // clwino::transform_weight), into [16][block][oc].
     bool wino = false;
     bool wino_w_cl = false;
     dnnl::matmul products;
@@ -499,7 +500,7 @@ dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt comp
 }
 
 std::shared_ptr<ConvEntry> build_winograd(const cl_conv_args &a) {
-    const long long t = clwino::tiles(a.n, a.out_sp[0], a.out_sp[1]);
+    const long long t = clwino::block_tiles(a.n, a.out_sp[0], a.out_sp[1], a.ic, a.oc);
     auto e = std::make_shared<ConvEntry>();
     e->wino = true;
     e->wino_w_cl = a.w_cl != 0;
@@ -787,12 +788,10 @@ void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, co
     uint8_t *tmp = t_temps.get(in_b + out_b);
     float *v = reinterpret_cast<float *>(tmp), *m = reinterpret_cast<float *>(tmp + in_b);
     const long long h = a.in_sp[0], w = a.in_sp[1];
-    clwino::transform_input(static_cast<const float *>(src), a.n, h, w, a.ic, v);
+    const long long all = clwino::tiles(a.n, h, w), block = e.wino_in_md.get_dims()[1];
     const dnnl::engine &eng = cpu_engine();
     memory vm(e.wino_in_md, eng, v), mm(e.wino_out_md, eng, m), sm(e.scratch_md, eng, t_scratch.get(e.scratch_bytes));
     dnnl::stream &s = thread_stream();
-    e.products.execute(s, {{DNNL_ARG_SRC, vm}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, mm}, {DNNL_ARG_SCRATCHPAD, sm}});
-    s.wait();
     const float *res[CL_MAX_POST_OPS];
     int n_res = 0;
     for (int i = 0; i < a.n_post_ops; ++i)
@@ -800,8 +799,13 @@ void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, co
             res[n_res] = reinterpret_cast<const float *>(residuals[n_res]);
             ++n_res;
         }
-    clwino::transform_output(m, a.n, h, w, a.oc, static_cast<const float *>(bias), a.post_ops, a.n_post_ops, res,
-                             static_cast<float *>(dst));
+    for (long long first = 0; first < all; first += block) {
+        clwino::transform_input(static_cast<const float *>(src), a.n, h, w, a.ic, first, block, v);
+        e.products.execute(s, {{DNNL_ARG_SRC, vm}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, mm}, {DNNL_ARG_SCRATCHPAD, sm}});
+        s.wait();
+        clwino::transform_output(m, a.n, h, w, a.oc, first, block, static_cast<const float *>(bias), a.post_ops,
+                                 a.n_post_ops, res, static_cast<float *>(dst));
+    }
 }
 
 void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsigned long long weight_id,

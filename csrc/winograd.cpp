@@ -75,18 +75,20 @@ struct Grid {
 };
 
 CL_CLONES
-void input_tiles(const float *x, const Grid &g, int64_t c, const float *zero, int64_t t0, int64_t t1, float *v) {
-    const int64_t stride = g.tiles * c;  // between two of the 16 matrices
-    for (int64_t t = t0; t < t1; ++t) {
+void input_tiles(const float *x, const Grid &g, int64_t c, const float *zero, int64_t base, int64_t i0,
+                 int64_t i1, int64_t block, float *v) {
+    const int64_t stride = block * c;  // between two of the 16 matrices
+    for (int64_t b = i0; b < i1; ++b) {
+        const int64_t t = base + b;  // past the last tile: zeros (the last block's padding)
         const int64_t img = t / (g.th * g.tw), ty = t / g.tw % g.th, tx = t % g.tw;
         const float *d[16];
         for (int i = 0; i < 4; ++i)
             for (int j = 0; j < 4; ++j) {
                 const int64_t yy = ty * 2 - 1 + i, xx = tx * 2 - 1 + j;
-                d[i * 4 + j] = (yy >= 0 && yy < g.h && xx >= 0 && xx < g.w)
+                d[i * 4 + j] = (t < g.tiles && yy >= 0 && yy < g.h && xx >= 0 && xx < g.w)
                                    ? x + ((img * g.h + yy) * g.w + xx) * c : zero;
             }
-        float *out = v + t * c;
+        float *out = v + b * c;
         // One row of the patch at a time (B^T d), its four results kept per column.
         for (int j = 0; j < 4; ++j) {
             const float *__restrict r0 = d[j], *__restrict r1 = d[4 + j], *__restrict r2 = d[8 + j],
@@ -119,11 +121,14 @@ void input_tiles(const float *x, const Grid &g, int64_t c, const float *zero, in
 
 CL_CLONES
 void output_tiles(const float *m, const Grid &g, int64_t k, const float *bias, const cl_post_op *po, int npo,
-                  const float *const *res, int64_t t0, int64_t t1, float *tmp, float *y) {
-    const int64_t stride = g.tiles * k;
-    for (int64_t t = t0; t < t1; ++t) {
+                  const float *const *res, int64_t base, int64_t i0, int64_t i1, int64_t block, float *tmp,
+                  float *y) {
+    const int64_t stride = block * k;
+    for (int64_t b = i0; b < i1; ++b) {
+        const int64_t t = base + b;
+        if (t >= g.tiles) break;
         const int64_t img = t / (g.th * g.tw), ty = t / g.tw % g.th, tx = t % g.tw;
-        const float *in = m + t * k;
+        const float *in = m + b * k;
         float *__restrict o0 = tmp, *__restrict o1 = tmp + k, *__restrict o2 = tmp + 2 * k,
                           *__restrict o3 = tmp + 3 * k;
         float *__restrict a = tmp + 4 * k;  // A^T m: 2 rows of 4, k each
@@ -181,31 +186,38 @@ int64_t chunk_of(int64_t tiles) {
 
 }  // namespace
 
-void transform_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, float *v) {
-    const Grid g(n, h, w);
-    const std::vector<float> zero((size_t)c, 0.f);
-    const int64_t step = chunk_of(g.tiles), chunks = (g.tiles + step - 1) / step;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-    for (int64_t i = 0; i < chunks; ++i)
-        input_tiles(x, g, c, zero.data(), i * step, std::min(g.tiles, (i + 1) * step), v);
+int64_t block_tiles(int64_t n, int64_t h, int64_t w, int64_t c, int64_t k) {
+    const int64_t per_tile = 16 * 4 * (c + k);  // bytes of transformed input and output
+    return std::min(tiles(n, h, w), std::max<int64_t>(16, SCRATCH_BYTES / per_tile));
 }
 
-void transform_output(const float *m, int64_t n, int64_t h, int64_t w, int64_t k, const float *bias,
-                      const cl_post_op *post_ops, int n_post_ops, const float *const *residuals, float *y) {
+void transform_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t first, int64_t block,
+                     float *v) {
+    const Grid g(n, h, w);
+    const std::vector<float> zero((size_t)c, 0.f);
+    const int64_t step = chunk_of(block), chunks = (block + step - 1) / step;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+    for (int64_t i = 0; i < chunks; ++i)
+        input_tiles(x, g, c, zero.data(), first, i * step, std::min(block, (i + 1) * step), block, v);
+}
+
+void transform_output(const float *m, int64_t n, int64_t h, int64_t w, int64_t k, int64_t first, int64_t block,
+                      const float *bias, const cl_post_op *post_ops, int n_post_ops, const float *const *residuals,
+                      float *y) {
     const Grid g(n, h, w);
     std::vector<float> zeros;
     if (!bias) {
         zeros.assign((size_t)k, 0.f);
         bias = zeros.data();
     }
-    const int64_t step = chunk_of(g.tiles), chunks = (g.tiles + step - 1) / step;
+    const int64_t step = chunk_of(block), chunks = (block + step - 1) / step;
 #pragma omp parallel if (chunks > 1)
     {
         std::unique_ptr<float[]> tmp(new float[(size_t)(12 * k)]);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < chunks; ++i)
-            output_tiles(m, g, k, bias, post_ops, n_post_ops, residuals, i * step,
-                         std::min(g.tiles, (i + 1) * step), tmp.get(), y);
+            output_tiles(m, g, k, bias, post_ops, n_post_ops, residuals, first, i * step,
+                         std::min(block, (i + 1) * step), block, tmp.get(), y);
     }
 }
 

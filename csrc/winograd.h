@@ -18,14 +18,23 @@ inline int64_t tiles(int64_t n, int64_t h, int64_t w) { return n * ((h + 1) / 2)
 // [k][3][3][c] when w_cl (OHWI).
 void transform_weight(const float *w, bool w_cl, int64_t c, int64_t k, float *u);
 
-// v[16][tiles][c] = B^T d B of each tile's 4x4 input patch (zero outside the image);
-// x: [n][h][w][c] (NHWC), padding 1.
-void transform_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, float *v);
+// The products run a block of tiles at a time: the transformed input and output are
+// 4x the size of the input and output, and per thread at most this much scratch is
+// kept (batch 1 at 224 px needs a single block: 64 channels at 56x56 take 6.4 MB).
+constexpr int64_t SCRATCH_BYTES = int64_t(32) << 20;
+int64_t block_tiles(int64_t n, int64_t h, int64_t w, int64_t c, int64_t k);
 
-// y[n][h][w][k] (NHWC) = A^T m A of each tile (m: [16][tiles][k]) plus bias, then the
-// post-ops in order: CL_PO_RELU (alpha: negative slope), CL_PO_CLAMP, CL_PO_ADD (the next
-// of `residuals`, NHWC like y; the first may be y's own storage).
-void transform_output(const float *m, int64_t n, int64_t h, int64_t w, int64_t k, const float *bias,
-                      const cl_post_op *post_ops, int n_post_ops, const float *const *residuals, float *y);
+// v[16][block][c] = B^T d B of the 4x4 input patch of tiles [first, first + block) (zero
+// outside the image, and for tiles past the last); x: [n][h][w][c] (NHWC), padding 1.
+void transform_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t first, int64_t block,
+                     float *v);
+
+// y[n][h][w][k] (NHWC) at tiles [first, first + block) = A^T m A of each tile (m:
+// [16][block][k]) plus bias, then the post-ops in order: CL_PO_RELU (alpha: negative
+// slope), CL_PO_CLAMP, CL_PO_ADD (the next of `residuals`, NHWC like y; the first may be
+// y's own storage).
+void transform_output(const float *m, int64_t n, int64_t h, int64_t w, int64_t k, int64_t first, int64_t block,
+                      const float *bias, const cl_post_op *post_ops, int n_post_ops, const float *const *residuals,
+                      float *y);
 
 }  // namespace clwino

@@ -222,6 +222,17 @@ def test_winograd_gives_the_direct_convs_values(n, c, k, h, w, post_ops, bias):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_winograd_over_several_blocks_of_tiles_gives_the_direct_convs_values():
+    # 512 in and out channels: 64 KiB of scratch per tile, so 24x24 tiles run in two
+    # blocks (csrc/winograd.h, SCRATCH_BYTES), the second padded past the last tile.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 512, 48, 48, generator=gen).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(512, 512, 3, 3, generator=gen) * 0.02
+    res = torch.randn(1, 512, 48, 48, generator=gen).contiguous(memory_format=torch.channels_last)
+    y = ops.conv2d(x, wt, padding=1, post_ops=[("add", res), "relu"], out_layout="nhwc", impl_rank=ops.WINOGRAD)
+    torch.testing.assert_close(y, F.relu(F.conv2d(x, wt, padding=1) + res), rtol=1e-5, atol=2e-5)
+
+
 def test_winograd_refuses_what_it_cannot_run_with_the_reason():
     x = torch.randn(1, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     w = torch.randn(8, 8, 3, 3)
