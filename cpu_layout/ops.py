@@ -573,12 +573,14 @@ def aten_conv_candidate(dtype, in_size, out_size, post_ops) -> Optional[tuple]:
 
 def winograd_candidate(dtype, kernel, stride, padding, dilation, groups, post_ops) -> bool:
     """Whether cpu_layout's Winograd F(2x2, 3x3) can run a 2-D conv (in NHWC):
-    float32, 3x3, stride 1, padding 1, no dilation or groups, and post-ops its
-    output transform applies (ReLU and leaky ReLU, clamps, residual adds;
-    csrc/winograd.cpp's `unsupported` is the rule in C++)."""
+    float32, or bfloat16 on a CPU with native bf16, 3x3, stride 1, padding 1,
+    no dilation or groups, and post-ops its output transform applies (ReLU and
+    leaky ReLU, clamps, residual adds; csrc/winograd.cpp's `unsupported` is the
+    rule in C++)."""
     kinds = {lib.CL_PO_RELU, lib.CL_PO_CLAMP, lib.CL_PO_ADD}
     names = [p if isinstance(p, str) else p[0] for p in post_ops]
-    return (dtype == torch.float32 and groups == 1 and tuple(kernel) == (3, 3) and tuple(stride) == (1, 1)
+    dtypes = (torch.float32, torch.bfloat16) if lib.cl_native_bf16() else (torch.float32,)
+    return (dtype in dtypes and groups == 1 and tuple(kernel) == (3, 3) and tuple(stride) == (1, 1)
             and tuple(padding) == (1, 1) and tuple(dilation) == (1, 1)
             and all(n in POST_OPS and POST_OPS[n][0] in kinds for n in names))
 

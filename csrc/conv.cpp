@@ -197,6 +197,8 @@ void validate(const cl_conv_args &a) {
     if (a.impl_rank == CL_IMPL_WINOGRAD) {
         const std::string why = clwino::unsupported(a);
         if (!why.empty()) fail(why);
+        // Without bf16 instructions oneDNN's bf16 matmul is emulated: no faster than the conv.
+        if (a.dtype == CL_BF16 && !native_bf16()) fail("Winograd runs bfloat16 only on CPUs with native bf16");
     } else if (a.impl_rank < 0 || a.impl_rank > 8) {
         fail("impl_rank must be 0..8 or CL_IMPL_WINOGRAD");
     }
@@ -504,10 +506,11 @@ std::shared_ptr<ConvEntry> build_winograd(const cl_conv_args &a) {
     auto e = std::make_shared<ConvEntry>();
     e->wino = true;
     e->wino_w_cl = a.w_cl != 0;
-    e->wino_in_md = memory::desc({16, t, a.ic}, dt::f32, tag::abc);
-    e->wei_md = memory::desc({16, a.ic, a.oc}, dt::f32, tag::abc);
+    const dt data_dt = to_dt(a.dtype);  // the products' inputs; they accumulate and write in f32
+    e->wino_in_md = memory::desc({16, t, a.ic}, data_dt, tag::abc);
+    e->wei_md = memory::desc({16, a.ic, a.oc}, data_dt, tag::abc);
     e->wino_out_md = memory::desc({16, t, a.oc}, dt::f32, tag::abc);
-    e->user_wei_md = memory::desc({a.oc, a.ic, 3, 3}, dt::f32, a.w_cl ? tag::ohwi : tag::oihw);
+    e->user_wei_md = memory::desc({a.oc, a.ic, 3, 3}, data_dt, a.w_cl ? tag::ohwi : tag::oihw);
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::matmul::primitive_desc pd(cpu_engine(), e->wino_in_md, e->wei_md, e->wino_out_md, attr);
@@ -712,8 +715,8 @@ class WeightCache {
         memory packed(e.wei_md, cpu_engine());
         if (e.wino) {
             const memory::dims d = e.wei_md.get_dims();  // [16][ic][oc]
-            clwino::transform_weight(static_cast<const float *>(user_ptr), e.wino_w_cl, d[1], d[2],
-                                     static_cast<float *>(packed.get_data_handle()));
+            clwino::transform_weight(user_ptr, e.wei_md.get_data_type() == dt::bf16 ? CL_BF16 : CL_F32,
+                                     e.wino_w_cl, d[1], d[2], packed.get_data_handle());
         } else {
             memory user(e.user_wei_md, cpu_engine(), const_cast<void *>(user_ptr));
             dnnl::stream &s = thread_stream();
@@ -786,25 +789,26 @@ void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, co
     auto align = [](size_t n) { return (n + 63) & ~size_t(63); };
     const size_t in_b = align(e.wino_in_md.get_size()), out_b = align(e.wino_out_md.get_size());
     uint8_t *tmp = t_temps.get(in_b + out_b);
-    float *v = reinterpret_cast<float *>(tmp), *m = reinterpret_cast<float *>(tmp + in_b);
+    void *v = tmp;
+    float *m = reinterpret_cast<float *>(tmp + in_b);
     const long long h = a.in_sp[0], w = a.in_sp[1];
     const long long all = clwino::tiles(a.n, h, w), block = e.wino_in_md.get_dims()[1];
     const dnnl::engine &eng = cpu_engine();
     memory vm(e.wino_in_md, eng, v), mm(e.wino_out_md, eng, m), sm(e.scratch_md, eng, t_scratch.get(e.scratch_bytes));
     dnnl::stream &s = thread_stream();
-    const float *res[CL_MAX_POST_OPS];
+    const void *res[CL_MAX_POST_OPS];
     int n_res = 0;
     for (int i = 0; i < a.n_post_ops; ++i)
         if (a.post_ops[i].kind == CL_PO_ADD) {
-            res[n_res] = reinterpret_cast<const float *>(residuals[n_res]);
+            res[n_res] = reinterpret_cast<const void *>(residuals[n_res]);
             ++n_res;
         }
     for (long long first = 0; first < all; first += block) {
-        clwino::transform_input(static_cast<const float *>(src), a.n, h, w, a.ic, first, block, v);
+        clwino::transform_input(src, a.dtype, a.n, h, w, a.ic, first, block, v);
         e.products.execute(s, {{DNNL_ARG_SRC, vm}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, mm}, {DNNL_ARG_SCRATCHPAD, sm}});
         s.wait();
-        clwino::transform_output(m, a.n, h, w, a.oc, first, block, static_cast<const float *>(bias), a.post_ops,
-                                 a.n_post_ops, res, static_cast<float *>(dst));
+        clwino::transform_output(m, a.dtype, a.n, h, w, a.oc, first, block, bias, a.bias_dtype, a.post_ops,
+                                 a.n_post_ops, res, dst);
     }
 }
 

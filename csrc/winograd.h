@@ -15,8 +15,8 @@ std::string unsupported(const cl_conv_args &a);
 inline int64_t tiles(int64_t n, int64_t h, int64_t w) { return n * ((h + 1) / 2) * ((w + 1) / 2); }
 
 // u[16][c][k] = G g G^T of each (k, c) 3x3 filter of w: [k][c][3][3] (OIHW), or
-// [k][3][3][c] when w_cl (OHWI).
-void transform_weight(const float *w, bool w_cl, int64_t c, int64_t k, float *u);
+// [k][3][3][c] when w_cl (OHWI); dtype (CL_F32 or CL_BF16) of both, computed in float32.
+void transform_weight(const void *w, int dtype, bool w_cl, int64_t c, int64_t k, void *u);
 
 // The products run a block of tiles at a time: the transformed input and output are
 // 4x the size of the input and output, and per thread at most this much scratch is
@@ -24,17 +24,17 @@ void transform_weight(const float *w, bool w_cl, int64_t c, int64_t k, float *u)
 constexpr int64_t SCRATCH_BYTES = int64_t(32) << 20;
 int64_t block_tiles(int64_t n, int64_t h, int64_t w, int64_t c, int64_t k);
 
-// v[16][block][c] = B^T d B of the 4x4 input patch of tiles [first, first + block) (zero
-// outside the image, and for tiles past the last); x: [n][h][w][c] (NHWC), padding 1.
-void transform_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t first, int64_t block,
-                     float *v);
+// v[16][block][c] (x's dtype) = B^T d B of the 4x4 input patch of tiles [first, first + block)
+// (zero outside the image, and for tiles past the last); x: [n][h][w][c] (NHWC), padding 1.
+void transform_input(const void *x, int dtype, int64_t n, int64_t h, int64_t w, int64_t c, int64_t first,
+                     int64_t block, void *v);
 
-// y[n][h][w][k] (NHWC) at tiles [first, first + block) = A^T m A of each tile (m:
-// [16][block][k]) plus bias, then the post-ops in order: CL_PO_RELU (alpha: negative
-// slope), CL_PO_CLAMP, CL_PO_ADD (the next of `residuals`, NHWC like y; the first may be
-// y's own storage).
-void transform_output(const float *m, int64_t n, int64_t h, int64_t w, int64_t k, int64_t first, int64_t block,
-                      const float *bias, const cl_post_op *post_ops, int n_post_ops, const float *const *residuals,
-                      float *y);
+// y[n][h][w][k] (NHWC, `dtype`) at tiles [first, first + block) = A^T m A of each tile (m:
+// [16][block][k], float32) plus bias, then the post-ops in order: CL_PO_RELU (alpha:
+// negative slope), CL_PO_CLAMP, CL_PO_ADD (the next of `residuals`, like y; the first may
+// be y's own storage).
+void transform_output(const float *m, int dtype, int64_t n, int64_t h, int64_t w, int64_t k, int64_t first,
+                      int64_t block, const void *bias, int bias_dtype, const cl_post_op *post_ops, int n_post_ops,
+                      const void *const *residuals, void *y);
 
 }  // namespace clwino

@@ -28,7 +28,7 @@ are not timed on torch's oneDNN: of 706 dense shapes timed on both (torchvision'
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
 compile of resnet50 or densenet121 spent. Results are cached on disk per
-oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv6-<isa>-<threads>t.json`,
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv7-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
@@ -81,7 +81,7 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv6-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv7-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
         if self._disk is None:
