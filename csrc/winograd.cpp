@@ -232,10 +232,20 @@ void output_tiles_bf16(const float *m, const Grid &g, int64_t k, const float *bi
     output_impl(m, g, k, bias, po, npo, res, base, i0, i1, block, tmp, y);
 }
 
-// Tiles per OpenMP chunk: enough work to amortise the call, and every thread busy.
-int64_t chunk_of(int64_t tiles) {
+// body(i0, i1, tmp) over the block's tiles in chunks shared by the OpenMP team, each
+// thread with `tmp_floats` floats of its own: enough tiles per chunk to amortise the
+// call, and every thread busy.
+template <class F>
+void over_chunks(int64_t block, int64_t tmp_floats, F body) {
     const int64_t nt = omp_get_max_threads();
-    return std::max<int64_t>(1, std::min<int64_t>(64, (tiles + nt - 1) / nt));
+    const int64_t step = std::max<int64_t>(1, std::min<int64_t>(64, (block + nt - 1) / nt));
+    const int64_t chunks = (block + step - 1) / step;
+#pragma omp parallel if (chunks > 1)
+    {
+        std::unique_ptr<float[]> tmp(new float[(size_t)tmp_floats]);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < chunks; ++i) body(i * step, std::min(block, (i + 1) * step), tmp.get());
+    }
 }
 
 }  // namespace
@@ -254,21 +264,14 @@ void transform_input(const void *x, int dtype, int64_t n, int64_t h, int64_t w, 
                      int64_t block, void *v) {
     const Grid g(n, h, w);
     const std::vector<float> zero((size_t)c, 0.f);  // all-zero bits: 0 in either dtype
-    const int64_t step = chunk_of(block), chunks = (block + step - 1) / step;
-#pragma omp parallel if (chunks > 1)
-    {
-        std::unique_ptr<float[]> tmp(new float[(size_t)(16 * c)]);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < chunks; ++i) {
-            const int64_t i1 = std::min(block, (i + 1) * step);
-            if (dtype == CL_BF16)
-                input_tiles_bf16(static_cast<const bf16 *>(x), g, c, reinterpret_cast<const bf16 *>(zero.data()),
-                                 first, i * step, i1, block, tmp.get(), static_cast<bf16 *>(v));
-            else
-                input_tiles_f32(static_cast<const float *>(x), g, c, zero.data(), first, i * step, i1, block,
-                                tmp.get(), static_cast<float *>(v));
-        }
-    }
+    over_chunks(block, 16 * c, [&](int64_t i0, int64_t i1, float *tmp) {
+        if (dtype == CL_BF16)
+            input_tiles_bf16(static_cast<const bf16 *>(x), g, c, reinterpret_cast<const bf16 *>(zero.data()), first,
+                             i0, i1, block, tmp, static_cast<bf16 *>(v));
+        else
+            input_tiles_f32(static_cast<const float *>(x), g, c, zero.data(), first, i0, i1, block, tmp,
+                            static_cast<float *>(v));
+    });
 }
 
 void transform_output(const float *m, int dtype, int64_t n, int64_t h, int64_t w, int64_t k, int64_t first,
@@ -278,23 +281,15 @@ void transform_output(const float *m, int dtype, int64_t n, int64_t h, int64_t w
     std::vector<float> b32((size_t)k, 0.f);
     for (int64_t i = 0; bias && i < k; ++i)
         b32[(size_t)i] = bias_dtype == CL_BF16 ? ld(static_cast<const bf16 *>(bias)[i]) : static_cast<const float *>(bias)[i];
-    const int64_t step = chunk_of(block), chunks = (block + step - 1) / step;
-#pragma omp parallel if (chunks > 1)
-    {
-        std::unique_ptr<float[]> tmp(new float[(size_t)(12 * k)]);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < chunks; ++i) {
-            const int64_t i1 = std::min(block, (i + 1) * step);
-            if (dtype == CL_BF16)
-                output_tiles_bf16(m, g, k, b32.data(), post_ops, n_post_ops,
-                                  reinterpret_cast<const bf16 *const *>(residuals), first, i * step, i1, block,
-                                  tmp.get(), static_cast<bf16 *>(y));
-            else
-                output_tiles_f32(m, g, k, b32.data(), post_ops, n_post_ops,
-                                 reinterpret_cast<const float *const *>(residuals), first, i * step, i1, block,
-                                 tmp.get(), static_cast<float *>(y));
-        }
-    }
+    over_chunks(block, 12 * k, [&](int64_t i0, int64_t i1, float *tmp) {
+        if (dtype == CL_BF16)
+            output_tiles_bf16(m, g, k, b32.data(), post_ops, n_post_ops, reinterpret_cast<const bf16 *const *>(residuals),
+                              first, i0, i1, block, tmp, static_cast<bf16 *>(y));
+        else
+            output_tiles_f32(m, g, k, b32.data(), post_ops, n_post_ops,
+                             reinterpret_cast<const float *const *>(residuals), first, i0, i1, block, tmp,
+                             static_cast<float *>(y));
+    });
 }
 
 }  // namespace clwino
