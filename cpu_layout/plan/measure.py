@@ -20,10 +20,10 @@ when at least NEXT_MARGIN faster (`ConvCost.nhwc_rank`): oneDNN 3.2 ranks
 brdgmm_dw first for every NHWC depthwise conv, and jit_dw is the faster one
 for some shapes (EPYC Zen 4, batch 8, 2 threads: C16 112x112 0.46 vs 0.74 ms,
 C120 28x28 5x5 0.29 vs 0.37 ms; the other way round 0.76 vs 1.16 ms at C72
-56x56). A float32 3x3 stride-1 conv is also timed on cpu_layout's Winograd
-kernel (`ops.winograd_candidate`), which runs it when at least
-WINOGRAD_MARGIN faster (`ConvCost.nhwc_rank` = ops.WINOGRAD): 1.3-1.9x on
-resnet50's 3x3 convs at 56 to 14 px, slower at 7 px. Dense convs
+56x56). A 3x3 stride-1 conv, float32 or (with native bf16) bfloat16, is also
+timed on cpu_layout's Winograd kernel (`ops.winograd_candidate`), which runs
+it when at least WINOGRAD_MARGIN faster (`ConvCost.nhwc_rank` = ops.WINOGRAD):
+1.3-1.9x on resnet50's 3x3 convs at 56 to 14 px, slower at 7 px. Dense convs
 are not timed on torch's oneDNN: of 706 dense shapes timed on both (torchvision's models, batch 1
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
@@ -61,8 +61,8 @@ ATEN_MARGIN = 0.15
 # the timing's noise to stay clear of.
 NEXT_MARGIN = 0.05
 # Ours on the Winograd kernel: the same buffers as well (its transforms' scratch is
-# per thread and reused), and values that differ from the direct conv's by a few
-# ulps of the sums: taken when clearly faster.
+# per thread and reused), and values as close to exact as the direct conv's (fp32:
+# closer; bf16: 1.2x eager's own bf16 error): taken when clearly faster.
 WINOGRAD_MARGIN = 0.10
 
 
