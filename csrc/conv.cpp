@@ -30,6 +30,7 @@ static_assert(DNNL_VERSION_MAJOR == 3 && DNNL_VERSION_MINOR == 2,
 extern "C" {
 #include "cl_api.h"
 }
+#include "bf16.h"
 #include "winograd.h"
 
 namespace {
@@ -49,6 +50,10 @@ dnnl::stream &thread_stream() {
     thread_local dnnl::stream s(cpu_engine());
     return s;
 }
+
+// Bytes rounded up to a whole number of 64-byte lines: where temporaries packed
+// into one buffer start, so that each is aligned for vector loads.
+size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
 
 // Grow-only per-thread buffer for scratchpads and bf16-emulation temporaries,
 // so the steady state allocates nothing per call.
@@ -209,7 +214,7 @@ void validate(const cl_conv_args &a) {
     }
 }
 
-// ---- dtype casts: our own loops -------------------------------------------
+// ---- dtype casts: our own loops (bf16.h) ------------------------------------
 // oneDNN converts formats with fast JIT reorders, but on CPUs without bf16
 // instructions (AVX2) it converts bf16<->f32 with a generic scalar kernel
 // (~100 ns per element). These loops vectorise with plain SSE2/AVX2 integer ops.
@@ -218,22 +223,12 @@ constexpr size_t kParallelCast = 1 << 15;
 
 void cast_bf16_to_f32(const uint16_t *in, float *out, size_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelCast)
-    for (size_t i = 0; i < n; ++i) {
-        uint32_t u = static_cast<uint32_t>(in[i]) << 16;
-        std::memcpy(out + i, &u, 4);
-    }
+    for (size_t i = 0; i < n; ++i) out[i] = clbf16::to_f32(in[i]);
 }
 
 void cast_f32_to_bf16(const float *in, uint16_t *out, size_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelCast)
-    for (size_t i = 0; i < n; ++i) {
-        uint32_t u;
-        std::memcpy(&u, in + i, 4);
-        // Round to nearest even, as torch does; NaN stays a (quiet) NaN.
-        uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        uint32_t nan = (u >> 16) | 0x40u;
-        out[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
-    }
+    for (size_t i = 0; i < n; ++i) out[i] = clbf16::from_f32(in[i]);
 }
 
 // Moves a tensor between the caller's memory (dense, plain format) and the
@@ -786,8 +781,7 @@ void parallel_copy(void *dst, const void *src, size_t bytes) {
 // Winograd: transformed input -> 16 matrix products -> output transform with bias and post-ops.
 void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, const memory &wei, const void *bias,
                   void *dst, const uintptr_t *residuals) {
-    auto align = [](size_t n) { return (n + 63) & ~size_t(63); };
-    const size_t in_b = align(e.wino_in_md.get_size()), out_b = align(e.wino_out_md.get_size());
+    const size_t in_b = align64(e.wino_in_md.get_size()), out_b = align64(e.wino_out_md.get_size());
     uint8_t *tmp = t_temps.get(in_b + out_b);
     void *v = tmp;
     float *m = reinterpret_cast<float *>(tmp + in_b);
@@ -818,33 +812,27 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     if (!src || !weight || !dst || (a.has_bias && !bias))
         throw std::invalid_argument("null data pointer");
 
+    // residuals[] holds one tensor per add post-op, in order (the first may be the sum's).
+    for (int i = 0, r = 0; i < a.n_post_ops; ++i)
+        if (a.post_ops[i].kind == CL_PO_ADD && (!residuals || !residuals[r++]))
+            throw std::invalid_argument("residual add without a tensor");
+
     g_stats.calls++;
     std::shared_ptr<ConvEntry> ep = prim_cache().get(a);
     const ConvEntry &e = *ep;
-    // residuals[] holds one tensor per add post-op, in order; the first may be the sum's.
-    const size_t n_adds = e.add_slots.size() + (e.sum_slot >= 0 ? 1 : 0);
     const size_t first_binary = e.sum_slot >= 0 ? 1 : 0;
-    if (n_adds) {
-        if (!residuals) throw std::invalid_argument("residual add without a tensor");
-        for (size_t r = 0; r < n_adds; ++r)
-            if (!residuals[r]) throw std::invalid_argument("residual add without a tensor");
-    }
     memory wei = weight_cache().get(weight_id, weight_version, weight, e);
     if (e.wino) {
-        for (int i = 0, r = 0; i < a.n_post_ops; ++i)
-            if (a.post_ops[i].kind == CL_PO_ADD && (!residuals || !residuals[r++]))
-                throw std::invalid_argument("residual add without a tensor");
         run_winograd(a, e, src, wei, a.has_bias ? bias : nullptr, dst, residuals);
         return;
     }
     dnnl::stream &s = thread_stream();
 
     // Temporaries, only when converting: [src][dst][residual...][bias f32]
-    auto align = [](size_t n) { return (n + 63) & ~size_t(63); };
     const size_t n_res = e.dst_out.active ? e.add_slots.size() : 0;
-    const size_t src_b = e.src_in.active ? align(e.src_md.get_size()) : 0;
-    const size_t dst_b = e.dst_out.active ? align(e.dst_md.get_size()) : 0;
-    const size_t bias_b = e.bias_to_f32 ? align(static_cast<size_t>(a.oc) * 4) : 0;
+    const size_t src_b = e.src_in.active ? align64(e.src_md.get_size()) : 0;
+    const size_t dst_b = e.dst_out.active ? align64(e.dst_md.get_size()) : 0;
+    const size_t bias_b = e.bias_to_f32 ? align64(static_cast<size_t>(a.oc) * 4) : 0;
     uint8_t *tmp = (src_b + dst_b * (1 + n_res) + bias_b) ? t_temps.get(src_b + dst_b * (1 + n_res) + bias_b)
                                                            : nullptr;
     uint8_t *scratch = t_scratch.get(e.scratch_bytes);

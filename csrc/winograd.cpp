@@ -17,6 +17,7 @@
 extern "C" {
 #include "cl_api.h"
 }
+#include "bf16.h"
 #include "winograd.h"
 
 #include <algorithm>
@@ -49,22 +50,13 @@ std::string unsupported(const cl_conv_args &a) {
 
 namespace {
 
+// Loads and stores of either dtype, as float32.
 typedef uint16_t bf16;
 static inline float ld(float v) { return v; }
-static inline float ld(bf16 h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
+static inline float ld(bf16 h) { return clbf16::to_f32(h); }
 template <class T> static inline T st(float v);
 template <> inline float st<float>(float v) { return v; }
-// Round to nearest even, NaN -> a quiet NaN (as c10::BFloat16).
-template <> inline bf16 st<bf16>(float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    return v != v ? (bf16)0x7fc0 : (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+template <> inline bf16 st<bf16>(float v) { return clbf16::from_f32(v); }
 
 template <class T>
 void weight_impl(const T *w, bool w_cl, int64_t c, int64_t k, T *u) {
