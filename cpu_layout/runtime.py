@@ -108,35 +108,41 @@ def check_layout(x, order: str, name: str) -> None:
         )
 
 
-def _bn_inv_std(w, var, eps):
-    inv = torch.rsqrt(var.float() + eps)
-    return inv * w.float() if w is not None else inv
+def _bn_affine(w, b, mean, var, eps: float, conv_bias=None):
+    """Inference batch-norm as y = x * scale + shift, in float64: the folded weights,
+    scale and shift are each the exact value rounded once (in float32 the shift
+    `bias - mean * scale` cancels; resnet50's RMS error against float64 went from
+    1.43x to 1.33x eager's)."""
+    d = torch.float64
+    scale = torch.rsqrt(var.to(d) + eps)
+    if w is not None:
+        scale = scale * w.to(d)
+    shift = -mean.to(d) * scale
+    if b is not None:
+        shift = shift + b.to(d)
+    if conv_bias is not None:
+        shift = shift + conv_bias.to(d) * scale
+    return scale, shift
 
 
 def bn_scale(w, b, mean, var, eps: float, rank: int) -> torch.Tensor:
     """Per-channel multiplier of inference batch-norm, shaped to broadcast over [N, C, ...]."""
-    return _bn_inv_std(w, var, eps).reshape((-1,) + (1,) * (rank - 2)).contiguous()
+    scale, _ = _bn_affine(w, b, mean, var, eps)
+    return scale.float().reshape((-1,) + (1,) * (rank - 2)).contiguous()
 
 
 def bn_shift(w, b, mean, var, eps: float, rank: int) -> torch.Tensor:
     """Per-channel offset of inference batch-norm: bias - mean * scale."""
-    shift = -mean.float() * _bn_inv_std(w, var, eps)
-    if b is not None:
-        shift = shift + b.float()
-    return shift.reshape((-1,) + (1,) * (rank - 2)).contiguous()
+    _, shift = _bn_affine(w, b, mean, var, eps)
+    return shift.float().reshape((-1,) + (1,) * (rank - 2)).contiguous()
 
 
 def fold_batch_norm(w, b, bn_w, bn_b, mean, var, eps: float):
     """Conv weight and bias with an inference batch-norm folded in."""
     with torch.no_grad():
-        scale = _bn_inv_std(bn_w, var, eps)
-        shift = -mean.float() * scale
-        if bn_b is not None:
-            shift = shift + bn_b.float()
-        if b is not None:
-            shift = shift + b.float() * scale
+        scale, shift = _bn_affine(bn_w, bn_b, mean, var, eps, conv_bias=b)
         shape = (-1,) + (1,) * (w.dim() - 1)
-        wf = (w.float() * scale.reshape(shape)).to(w.dtype).contiguous()
+        wf = (w.to(torch.float64) * scale.reshape(shape)).to(w.dtype).contiguous()
         return wf, shift.to(w.dtype).contiguous()
 
 

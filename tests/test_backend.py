@@ -136,6 +136,31 @@ def test_residual_epilogue_and_batchnorm_are_fused(compiled_graphs):
     assert all(c.post_ops[-1] == "relu" for c in adds)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("conv_bias,affine", [(False, True), (True, True), (True, False)])
+def test_batch_norm_folds_rounded_once_from_float64(dtype, conv_bias, affine):
+    # mean * scale close to the BN bias: in float32 the shift cancels to a few ulp of noise.
+    from cpu_layout import runtime
+    g = torch.Generator().manual_seed(0)
+    c = 64
+    w = torch.randn(c, 8, 3, 3, generator=g).to(dtype)
+    b = torch.randn(c, generator=g).to(dtype) if conv_bias else None
+    var = torch.rand(c, generator=g) * 3 + 0.1
+    mean = torch.randn(c, generator=g) * 50
+    bn_w = torch.randn(c, generator=g) if affine else None
+    bn_b = (mean * torch.rsqrt(var + 1e-5) * (bn_w if affine else 1) + 1e-3) if affine else None
+    wf, shift = runtime.fold_batch_norm(w, b, bn_w, bn_b, mean, var, 1e-5)
+    d = torch.float64
+    scale = torch.rsqrt(var.to(d) + 1e-5) * (bn_w.to(d) if affine else 1)
+    exact_shift = -mean.to(d) * scale + (bn_b.to(d) if affine else 0) + (b.to(d) * scale if conv_bias else 0)
+    assert wf.dtype == dtype and shift.dtype == dtype
+    assert torch.equal(wf, (w.to(d) * scale.reshape(-1, 1, 1, 1)).to(dtype))
+    assert torch.equal(shift, exact_shift.to(dtype))
+    assert torch.equal(runtime.bn_scale(bn_w, bn_b, mean, var, 1e-5, 4), scale.float().reshape(-1, 1, 1))
+    assert torch.equal(runtime.bn_shift(bn_w, bn_b, mean, var, 1e-5, 4),
+                       (exact_shift - (b.to(d) * scale if conv_bias else 0)).float().reshape(-1, 1, 1))
+
+
 class ConvSiluRelu(nn.Module):
     def __init__(self):
         super().__init__()
