@@ -67,7 +67,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
         # Before the plan times convs: a compiler still running on another core would skew them.
         program.runtime()
         schedule.plan(g)
-        runners = cpp_wrapper.build(g, debug=debug)
+        runners = cpp_wrapper.build(g, schedule.bind, debug=debug)
     else:
         runners = schedule.plan_and_bind(g)
     source, env = wrapper.generate(g, runners, debug=debug)

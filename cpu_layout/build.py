@@ -298,3 +298,14 @@ def load_library(source: str, cdef: str, *, name_hint: str = "k", flags=CXXFLAGS
     with _memo_lock:
         result = _memo.setdefault(memo_key, result)
     return result
+
+
+def csrc(name: str) -> str:
+    """Text of csrc/<name>: the source tree's, or the copy an installed package carries."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "..", "..", "csrc"), os.path.join(here, "..", "csrc")):
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    raise FileNotFoundError(f"cpu_layout needs csrc/{name} (install cpu_layout from its source tree)")

@@ -446,3 +446,33 @@ def view_strides(size: Sequence, stride: Sequence, new_size: Sequence) -> Option
     if view_d != -1:
         return None
     return tuple(new_stride)
+
+
+def broadcast_strides(t, sizes, what):
+    """Strides of tensor t viewed at `sizes` (right-aligned, broadcast dims get stride 0)."""
+    shape = t.shape
+    if shape == sizes and 1 not in sizes:  # the common case, kept cheap
+        return list(t.stride())
+    nd, k = len(sizes), len(sizes) - len(shape)
+    if k < 0:
+        raise ValueError(f"{what} has {len(shape)} dims, more than the kernel's {nd}")
+    st = t.stride()
+    out = [0] * nd
+    for d in range(k, nd):
+        s = shape[d - k]
+        if s == sizes[d]:
+            if s != 1:
+                out[d] = st[d - k]
+        elif s != 1:
+            raise ValueError(f"{what} of shape {tuple(shape)} does not broadcast to {sizes}")
+    return out
+
+
+def channels_innermost(t: torch.Tensor):
+    """How a group norm reads `t`: False when contiguous, True when dense with channels
+    innermost (NWC, NHWC, NDHWC; either when both hold), None when neither."""
+    if t.is_contiguous():
+        return False
+    if t.dim() >= 3 and t.permute(0, *range(2, t.dim()), 1).is_contiguous():
+        return True
+    return None

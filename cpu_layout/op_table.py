@@ -3,7 +3,7 @@
 An ATen call in the IR (`ir.Aten`) takes from its entry
 - `rule`: how it reads and writes layouts (ir.FOLLOW, VIEW or DENSE; the
   docs' "Node rules" table). lower.py gives the node this rule; the planner
-  and both wrappers follow it (codegen/wrapper.py: `_required`).
+  and both wrappers follow it (reads.py: `required`).
 - `priced`: how the planner models it (plan/ir_plan.py): "max" or "avg" a
   pool of its window, "concat" a concatenation; None: by its rule (FOLLOW an
   element-wise pass, VIEW a view or permute, DENSE a fallback reading dense).
@@ -269,3 +269,16 @@ def encode(em, n: ir.Aten, slot_of) -> None:
     if spec is None or spec.encode is None:  # runs_in_cpp admitted it: a bug here
         raise NotImplementedError(f"{n.name}: no segment instruction for {n.target}")
     spec.encode(em, n, slot_of)
+
+
+# ATen's 2-d pooling arguments: an int or a list of one or two.
+def pair(v):
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * (2 // len(v)) if len(v) in (1, 2) else v
+
+
+def pool_window(a):
+    """kernel, stride (empty: the kernel) and padding of a 2-D pool's ATen arguments."""
+    k = pair(a[1])
+    st = pair(a[2]) if len(a) > 2 and a[2] else k
+    return k, st, pair(a[3] if len(a) > 3 else 0)

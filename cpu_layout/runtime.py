@@ -244,13 +244,12 @@ class KernelCall:
     sizes taken from the inputs at run time (one kernel serves every shape)."""
 
     def __init__(self, compiled, out_dtype, order: str, ndim: int):
-        from cpu_layout.codegen.cpp_kernels import _broadcast_strides
 
         self.compiled = compiled
         self.out_dtype = out_dtype
         self.order = order
         self.ndim = ndim
-        self._bstrides = _broadcast_strides
+        self._bstrides = L.broadcast_strides
 
     def __call__(self, *inputs):
         sizes = tuple(torch.broadcast_shapes(*[t.shape for t in inputs]))
@@ -343,13 +342,12 @@ class GroupNormCall:
         self.order = order if order in L.LABELS else L.CONTIGUOUS
 
     def __call__(self, x, *params):
-        from cpu_layout.codegen.cpp_kernels import channels_innermost
 
         k = self.kernel
-        cl = channels_innermost(x)
+        cl = L.channels_innermost(x)
         if cl is None:  # a slice, or eager's strides of another order: made dense, counted
             x = to_order(x, self.order)
-            cl = channels_innermost(x)
+            cl = L.channels_innermost(x)
         out = torch.empty_like(x)  # dense x: the same strides
         self.compiled.call_unchecked(k.sizes_of(tuple(x.shape), self.groups, cl),
                                      [x, *[t.contiguous() for t in params], out,

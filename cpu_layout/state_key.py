@@ -37,11 +37,10 @@ def prefetch() -> None:
 def _build():
     import os
 
-    from cpu_layout.codegen.program import csrc
 
     inc = os.path.join(os.path.dirname(torch.__file__), "include")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    source = f"// torch {torch.__version__}\n" + csrc("state_check.cpp")
+    source = f"// torch {torch.__version__}\n" + build.csrc("state_check.cpp")
     flags = tuple(f for f in build.CXXFLAGS if f != "-std=c++17") + (
         "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}") + build.torch_link_flags()
     try:

@@ -326,12 +326,10 @@ def test_torchs_conv_is_timed_for_grouped_convs_only():
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_plan_runs_a_conv_where_it_measured_faster(faster, monkeypatch, compiled_graphs, tmp_path):
-    from cpu_layout.plan import cost
-
     monkeypatch.setenv("CPU_LAYOUT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CPU_LAYOUT_CONV_IMPL", raising=False)
     monkeypatch.delenv("CPU_LAYOUT_AUTOTUNE", raising=False)
-    monkeypatch.setattr(cost, "_DEFAULT", None)  # a fresh model: this test's timings
+    monkeypatch.setattr(measure, "_DEFAULT", None)  # a fresh model: this test's timings
     monkeypatch.setattr(measure, "_measure",
                         lambda conv: [100.0, 50.0, 20.0 if faster else 60.0 if conv.groups > 1 else None])
     model = _model()

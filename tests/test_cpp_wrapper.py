@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpu_layout import benchmark, ir, models, op_table, ops, runtime, segments
+from cpu_layout import benchmark, build, ir, models, op_table, ops, runtime, segments
 from cpu_layout.codegen import Const, Load, Op, cpp_kernels
 
 pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
@@ -627,7 +627,7 @@ def test_the_encoders_opcodes_are_the_runtimes():
 
     from cpu_layout.codegen import program
 
-    src = program.csrc("segment_vm.cpp")
+    src = build.csrc("segment_vm.cpp")
     body = re.search(r"enum Op : int64_t \{(.*?)\};", src, re.S).group(1)
     names = [n.split("=")[0].strip() for n in body.replace("\n", " ").split(",") if n.strip()]
     assert names[-1] == "N_OPS" and "EXPECT = 1" in body

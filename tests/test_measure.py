@@ -59,9 +59,8 @@ def test_off_budget_and_unmeasurable_shapes_use_the_table(cache, monkeypatch):
 
 def test_a_compile_plans_with_measured_costs(cache, monkeypatch):
     from cpu_layout import backend
-    from cpu_layout.plan import cost
 
-    monkeypatch.setattr(cost, "_DEFAULT", None)  # a fresh model: this test's cache dir
+    monkeypatch.setattr(measure, "_DEFAULT", None)  # a fresh model: this test's cache dir
     made = []
     real = backend.compile_graph
     monkeypatch.setattr(backend, "compile_graph",

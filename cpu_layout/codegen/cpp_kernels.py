@@ -28,6 +28,8 @@ import os
 import torch
 
 from cpu_layout import build
+from cpu_layout import layout as L
+from cpu_layout.layout import channels_innermost
 from cpu_layout.codegen.expr import OPS, Const, Load, Op, float_literal, loads
 
 PARALLEL_MIN_NUMEL = 16384  # below this the OpenMP fork/join costs more than it saves
@@ -976,26 +978,6 @@ def _check_dtype(dt, what):
     return dt
 
 
-def _broadcast_strides(t, sizes, what):
-    """Strides of tensor t viewed at `sizes` (right-aligned, broadcast dims get stride 0)."""
-    shape = t.shape
-    if shape == sizes and 1 not in sizes:  # the common case, kept cheap
-        return list(t.stride())
-    nd, k = len(sizes), len(sizes) - len(shape)
-    if k < 0:
-        raise ValueError(f"{what} has {len(shape)} dims, more than the kernel's {nd}")
-    st = t.stride()
-    out = [0] * nd
-    for d in range(k, nd):
-        s = shape[d - k]
-        if s == sizes[d]:
-            if s != 1:
-                out[d] = st[d - k]
-        elif s != 1:
-            raise ValueError(f"{what} of shape {tuple(shape)} does not broadcast to {sizes}")
-    return out
-
-
 def _span(t, sizes, strides):
     """Byte range [lo, hi) a tensor touches when viewed with these sizes and strides."""
     lo = t.data_ptr()
@@ -1094,7 +1076,7 @@ class CompiledPointwise(_Compiled):
         self._check_counts(in_tensors, out_tensors, len(k.inputs), len(k.outputs))
         _check_tensors(in_tensors, k.inputs, "input")
         _check_tensors(out_tensors, k.out_dtypes, "output")
-        in_st = [_broadcast_strides(t, sizes, f"input {i}") for i, t in enumerate(in_tensors)]
+        in_st = [L.broadcast_strides(t, sizes, f"input {i}") for i, t in enumerate(in_tensors)]
         out_st = []
         for i, t in enumerate(out_tensors):
             if t.shape != sizes:
@@ -1114,7 +1096,7 @@ class CompiledReduction(_Compiled):
         self._check_counts(in_tensors, out_tensors, len(k.input_dtypes), 1)
         _check_tensors(in_tensors, k.input_dtypes, "input")
         _check_tensors(out_tensors, (k.out_dtype,), "output")
-        in_st = [_broadcast_strides(t, sizes, f"input {i}") for i, t in enumerate(in_tensors)]
+        in_st = [L.broadcast_strides(t, sizes, f"input {i}") for i, t in enumerate(in_tensors)]
         out = out_tensors[0]
         want = k.output_shape(sizes)
         if out.shape != want:
@@ -1442,16 +1424,6 @@ class LayerNormKernel(_AffineNorm):
         return (f"layer_norm over {self.n_norm} dims {_SHORT[self.dtype]} params {_SHORT[self.param_dtype]} "
                 f"weight={self.has_weight} "
                 f"bias={self.has_bias} eps={self.eps!r}")
-
-
-def channels_innermost(t: torch.Tensor):
-    """How a group norm reads `t`: False when contiguous, True when dense with channels
-    innermost (NWC, NHWC, NDHWC; either when both hold), None when neither."""
-    if t.is_contiguous():
-        return False
-    if t.dim() >= 3 and t.permute(0, *range(2, t.dim()), 1).is_contiguous():
-        return True
-    return None
 
 
 class CompiledGroupNorm(_Compiled):

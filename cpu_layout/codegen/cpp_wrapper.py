@@ -36,6 +36,7 @@ from cpu_layout import config, ir
 from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout import ops, runtime, segments
+from cpu_layout.codegen import specs
 from cpu_layout.codegen import program as P
 
 aten = torch.ops.aten
@@ -79,7 +80,7 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
             prog.op("SYM_DIM", slots[sym], em.reg[src], dim)
     prog.n_syms = len(slots)
     outset = set(outs)
-    from cpu_layout.codegen.wrapper import conversions, dense_as_planned, read_conversion
+    from cpu_layout.reads import conversions, dense_as_planned, read_conversion
 
     reads, last_conv = conversions(seg.members, read_conversion)
     for m in seg.members:
@@ -116,17 +117,17 @@ def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:
     else:
         T.encode(em, m, slots.__getitem__)
 
-def build(g: ir.Graph, debug: bool = False):
-    """Rewrite a planned, fused graph for cpp_wrapper mode (segments.py) and compile it.
-    Returns the runners the Python wrapper (codegen.wrapper) needs."""
-    from cpu_layout import schedule
+def build(g: ir.Graph, bind, debug: bool = False):
+    """Rewrite a planned, fused graph for cpp_wrapper mode (segments.py) and compile it;
+    `bind` (schedule.bind) makes the runners of what stays in Python. Returns the
+    runners the Python wrapper (codegen.wrapper) needs."""
     from cpu_layout.codegen import wrapper
 
     part = segments.partition(g)
     # Each segment as a program for the segment runtime; the graph's kernels are compiled below.
     kernels = {}
     for seg in part.segments:
-        kernels.update(zip(*schedule.generated(seg.members)))
+        kernels.update(zip(*specs.generated(seg.members)))
     for seg in part.segments:
         seg.program = _encode_segment(seg, kernels, part.last_use, debug)
         if config.log_enabled("program"):
@@ -136,7 +137,7 @@ def build(g: ir.Graph, debug: bool = False):
     # One bind over both graphs: one compiler run for every kernel of the graph.
     both = ir.Graph()
     both.nodes = part.prologue.nodes[:-1] + g.nodes
-    runners, compiled = schedule.bind(both, extra_kernels=list(kernels.values()))
+    runners, compiled = bind(both, extra_kernels=list(kernels.values()))
     for n in part.const_nodes:
         if isinstance(n, ir.Aten) and isinstance(n.target, runtime.Memoized):
             runners[n] = n.target  # the hoisted batch-norm folds are memoized already

@@ -12,7 +12,6 @@ kernels and ATen's C shim.
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional
 
 import torch
@@ -20,7 +19,8 @@ import torch
 from cpu_layout import build, ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
-from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of
+from cpu_layout.op_table import RESHAPE_OPS, float_tensor, pair, permutation_of, pool_window
+from cpu_layout.reads import read_conversion
 
 aten = torch.ops.aten
 
@@ -54,19 +54,8 @@ void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t 
 _RUNTIME_FLAGS = ("-O2", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
 
 
-def csrc(name: str) -> str:
-    """Text of csrc/<name>: the source tree's, or the copy an installed package carries."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, "..", "..", "csrc"), os.path.join(here, "..", "csrc")):
-        path = os.path.join(d, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                return f.read()
-    raise FileNotFoundError(f"cpp_wrapper needs csrc/{name} (install cpu_layout from its source tree)")
-
-
 def _build_runtime() -> build.Library:
-    source = "#include <cstdint>\n" + csrc("cl_api.h") + csrc("cl_wrapper.h") + csrc("segment_vm.cpp")
+    source = "#include <cstdint>\n" + build.csrc("cl_api.h") + build.csrc("cl_wrapper.h") + build.csrc("segment_vm.cpp")
     lib = build.load_library(source, _RUNTIME_CDEF, name_hint="segment runtime",
                              flags=_RUNTIME_FLAGS + build.torch_link_flags())
     ext, effi = ops.lib, ops.ffi
@@ -247,15 +236,11 @@ class SegmentEncoder:
 
     def read(self, n: ir.Node, b: ir.Buffer) -> int:
         """The register of `b` in the order node `n` reads it in (converted by `convert_reads`)."""
-        from cpu_layout.codegen.wrapper import read_conversion
-
         order = read_conversion(n, b)
         return self.reg[b] if order is None else self.converted[(b, order)]
 
     def read_aliased(self, n: ir.Node, b: ir.Buffer) -> int:
         """`read` for a node whose output aliases the handle read: neither storage is pooled."""
-        from cpu_layout.codegen.wrapper import read_conversion
-
         self.aliased.add(b)
         order = read_conversion(n, b)
         if order is not None:
@@ -339,8 +324,6 @@ class SegmentEncoder:
     def inplace_residual(self, n: ir.Conv, residuals: List[ir.Buffer]) -> Optional[ir.Buffer]:
         """The first residual when the conv's output may take over its storage
         (read as it is, no copy planned, and not the conv's input too)."""
-        from cpu_layout.codegen.wrapper import read_conversion
-
         if not residuals:
             return None
         r = residuals[0]
@@ -437,20 +420,16 @@ class SegmentEncoder:
                   ES[n.out.dtype], self.fresh_flag(n.out))
 
     def max_pool(self, n: ir.Aten):
-        from cpu_layout.schedule import _pair, pool_window
-
         a = n.args
         x = self.read(n, a[0])
         out = self.out_reg(n)
         k, st, pad = pool_window(a)
-        dil = _pair(a[4] if len(a) > 4 else 1)
+        dil = pair(a[4] if len(a) > 4 else 1)
         ceil = int(bool(a[5])) if len(a) > 5 else 0
         self.fresh.add(n.out)
         self.p.op("MAX_POOL", out, x, k, st, pad, dil, ceil, self.p.name(f"{n.name}: max_pool2d"))
 
     def avg_pool(self, n: ir.Aten):
-        from cpu_layout.schedule import pool_window
-
         a = n.args
         x = self.read(n, a[0])
         out = self.out_reg(n)

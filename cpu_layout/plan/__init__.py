@@ -3,7 +3,8 @@
     from cpu_layout.plan import Graph, plan
     p = plan(g)            # p.layout_of[buf], p.copies, p.total_cost, p.explain()
 """
-from cpu_layout.plan.cost import ConvCost, CostModel, default_cost_model
+from cpu_layout.plan.cost import ConvCost, CostModel
+from cpu_layout.plan.measure import default_cost_model
 from cpu_layout.plan.graph import Graph
 from cpu_layout.plan.planner import (
     ConvDecision, Copy, Plan, decision_nodes, evaluate, materialize, plan, uniform_assignment,

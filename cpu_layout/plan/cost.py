@@ -28,7 +28,7 @@ import torch
 from cpu_layout.layout import CHANNELS_LAST, hint
 from cpu_layout.plan.graph import Conv
 
-__all__ = ["ConvCost", "CostModel", "default_cost_model", "TABLE_PATH"]
+__all__ = ["ConvCost", "CostModel", "TABLE_PATH"]
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
@@ -148,7 +148,7 @@ class CostModel:
     # ---- pooling (ATen's kernels) ----------------------------------------------
     def pool_cost(self, node) -> Tuple[float, float]:
         """(NCHW µs, NHWC µs) of a max/avg pool: channels-last runs on the generated
-        kernel (schedule.pool_kernel), vectorised over channels; NCHW on ATen's, which
+        kernel (codegen/specs.py: pool_kernel), vectorised over channels; NCHW on ATen's, which
         walks each window scalar, 10-25x slower (measured per output element and
         window element, 1 thread, Xeon Sapphire Rapids; the ratio is what decides)."""
         per = _POOL_NS.get(node.op)
@@ -242,17 +242,3 @@ class CostModel:
             r = 1.2 if cin // groups < 8 else 0.9
             return ConvCost(base, base * r, "heuristic: grouped")
         return ConvCost(base, base * 0.9, "heuristic: regular conv")
-
-
-_DEFAULT: Optional[CostModel] = None
-
-
-def default_cost_model() -> CostModel:
-    """Conv costs measured on this machine where allowed (plan/measure.py), else the
-    shipped table for its ISA (loaded once per process)."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        from cpu_layout.plan.measure import MeasuredCostModel
-
-        _DEFAULT = MeasuredCostModel.load()
-    return _DEFAULT

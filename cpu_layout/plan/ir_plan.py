@@ -15,7 +15,7 @@ from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout.op_table import permutation_of
 from cpu_layout.plan import graph as pg
-from cpu_layout.codegen.wrapper import reads_dense
+from cpu_layout.reads import reads_dense
 from cpu_layout.plan.planner import Plan, plan
 
 aten = torch.ops.aten

@@ -230,3 +230,15 @@ def _measure_real(conv, rounds):
                 times[k].append((time.perf_counter() - t0) * 1e6)
     return [min(times["nchw"]), min(times["nhwc"])] + [min(times[k]) if k in times else None
                                                        for k in ("aten", "next", "wino")]
+
+
+_DEFAULT: Optional[CostModel] = None
+
+
+def default_cost_model() -> CostModel:
+    """Conv costs measured on this machine where allowed (plan/measure.py), else the
+    shipped table for its ISA (loaded once per process)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = MeasuredCostModel.load()
+    return _DEFAULT

@@ -34,7 +34,8 @@ from cpu_layout.layout import (
     is_dense_in_order, is_in_order, matching_labels, nbytes_hint, orders_agree, require_order, same_sizes,
     eager_memory_format, stride_order, strides_for_order, view_strides,
 )
-from cpu_layout.plan.cost import ConvCost, CostModel, default_cost_model
+from cpu_layout.plan.cost import ConvCost, CostModel
+from cpu_layout.plan.measure import default_cost_model
 from cpu_layout.plan.graph import Graph, Node
 from cpu_layout.plan.mincut import INF, BinaryEnergy
 
