@@ -335,6 +335,13 @@ def _post_op_key(post_ops):
     return tuple(key), tuple(tensors)
 
 
+def conv_out_spatial(in_sp, kernel, stride, pad_l, pad_r, dilation) -> tuple:
+    """A convolution's output spatial sizes, as torch computes them (one formula for the
+    conv calls and the planner's graphs)."""
+    return tuple((i + a + b - d * (k - 1) - 1) // s + 1
+                 for i, k, s, a, b, d in zip(in_sp, kernel, stride, pad_l, pad_r, dilation))
+
+
 def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, xfmt, wfmt,
               impl_rank=0):
     """Check everything about a call that does not change between calls with the same key."""
@@ -391,15 +398,13 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
         pad_l = pad_r = _tuple(padding, nsp, "padding")
         if any(p < 0 for p in pad_l):
             raise ValueError(f"padding must be non-negative, got {padding!r}")
-    out_sp = []
     for i in range(nsp):
-        span = dilation[i] * (k_sp[i] - 1) + 1
-        if in_sp[i] + pad_l[i] + pad_r[i] < span:
+        if in_sp[i] + pad_l[i] + pad_r[i] < dilation[i] * (k_sp[i] - 1) + 1:
             raise ValueError(
                 f"kernel {k_sp} (dilation {dilation}) is larger than the padded input "
                 f"{tuple(s + a + b for s, a, b in zip(in_sp, pad_l, pad_r))}"
             )
-        out_sp.append((in_sp[i] + pad_l[i] + pad_r[i] - span) // stride[i] + 1)
+    out_sp = conv_out_spatial(in_sp, k_sp, stride, pad_l, pad_r, dilation)
 
     parsed = _parse_post_ops(post_ops)
     dst_cl = _layout_flag(out_layout, nsp)

@@ -252,3 +252,19 @@ def test_bf16_non_overlapping_kernels(cin, k, out_layout):
     ref = F.conv2d(x.float(), w.float(), b.float(), stride=k)
     scale = ref.abs().max().item()
     torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3 * scale + 2 ** -8 * scale)
+
+
+def test_conv_out_spatial_is_torchs_formula():
+    # One formula for the conv calls and the planner's graphs: torch's own, asymmetric padding too.
+    from cpu_layout.ops import conv_out_spatial
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        h, w, k, s, d = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in
+                         ((1, 20), (1, 20), (1, 6), (1, 4), (1, 3)))
+        pl, pr = (int(torch.randint(0, 4, (1,), generator=g)) for _ in range(2))
+        if h + pl + pr < d * (k - 1) + 1 or w + pl + pr < d * (k - 1) + 1:
+            continue
+        x = F.pad(torch.zeros(1, 1, h, w), (pl, pr, pl, pr))
+        want = F.conv2d(x, torch.zeros(1, 1, k, k), stride=s, dilation=d).shape[2:]
+        assert conv_out_spatial((h, w), (k, k), (s, s), (pl, pl), (pr, pr), (d, d)) == tuple(want)

@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from cpu_layout.layout import contiguous_strides, is_size_one
+from cpu_layout.ops import conv_out_spatial
 
 __all__ = [
     "Node", "Input", "Output", "Conv", "Pointwise", "Reduction", "Pool", "BatchNorm",
@@ -242,7 +243,7 @@ class Graph:
         if nsp not in (1, 2, 3):
             raise ValueError(f"conv needs a rank-3..5 input, got {src.size}")
         k, s, p, d = (_tuple(v, nsp) for v in (kernel, stride, padding, dilation))
-        spatial = tuple((src.size[2 + i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(nsp))
+        spatial = conv_out_spatial(src.size[2:], k, s, p, p, d)
         size = (src.size[0], out_channels) + spatial
         return self.add(Conv(self._name(name, "conv"), (x,), size, dtype or src.dtype, in_size=src.size,
                              out_channels=out_channels, kernel=k, stride=s, padding=p, dilation=d,
