@@ -109,10 +109,11 @@ def check_layout(x, order: str, name: str) -> None:
 
 
 def _bn_affine(w, b, mean, var, eps: float, conv_bias=None):
-    """Inference batch-norm as y = x * scale + shift, in float64: the folded weights,
-    scale and shift are each the exact value rounded once (in float32 the shift
-    `bias - mean * scale` cancels; resnet50's RMS error against float64 went from
-    1.43x to 1.33x eager's)."""
+    """Inference batch-norm as y = x * scale + shift, in float64: scale and shift are
+    each the exact value rounded once (in float32 the shift `bias - mean * scale`
+    cancels; resnet50's RMS error against float64 went from 1.43x to 1.33x eager's).
+    A folded weight is `w * scale` in float32 from that scale: a float64 product
+    changed no error measurably and took 46 instead of 8 ms for resnet50's weights."""
     d = torch.float64
     scale = torch.rsqrt(var.to(d) + eps)
     if w is not None:
@@ -142,7 +143,7 @@ def fold_batch_norm(w, b, bn_w, bn_b, mean, var, eps: float):
     with torch.no_grad():
         scale, shift = _bn_affine(bn_w, bn_b, mean, var, eps, conv_bias=b)
         shape = (-1,) + (1,) * (w.dim() - 1)
-        wf = (w.to(torch.float64) * scale.reshape(shape)).to(w.dtype).contiguous()
+        wf = (w.float() * scale.float().reshape(shape)).to(w.dtype).contiguous()
         return wf, shift.to(w.dtype).contiguous()
 
 

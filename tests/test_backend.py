@@ -140,6 +140,7 @@ def test_residual_epilogue_and_batchnorm_are_fused(compiled_graphs):
 @pytest.mark.parametrize("conv_bias,affine", [(False, True), (True, True), (True, False)])
 def test_batch_norm_folds_rounded_once_from_float64(dtype, conv_bias, affine):
     # mean * scale close to the BN bias: in float32 the shift cancels to a few ulp of noise.
+    # Scale and shift are float64 values rounded once; the weight is w * that scale in float32.
     from cpu_layout import runtime
     g = torch.Generator().manual_seed(0)
     c = 64
@@ -154,7 +155,7 @@ def test_batch_norm_folds_rounded_once_from_float64(dtype, conv_bias, affine):
     scale = torch.rsqrt(var.to(d) + 1e-5) * (bn_w.to(d) if affine else 1)
     exact_shift = -mean.to(d) * scale + (bn_b.to(d) if affine else 0) + (b.to(d) * scale if conv_bias else 0)
     assert wf.dtype == dtype and shift.dtype == dtype
-    assert torch.equal(wf, (w.to(d) * scale.reshape(-1, 1, 1, 1)).to(dtype))
+    assert torch.equal(wf, (w.float() * scale.float().reshape(-1, 1, 1, 1)).to(dtype))
     assert torch.equal(shift, exact_shift.to(dtype))
     assert torch.equal(runtime.bn_scale(bn_w, bn_b, mean, var, 1e-5, 4), scale.float().reshape(-1, 1, 1))
     assert torch.equal(runtime.bn_shift(bn_w, bn_b, mean, var, 1e-5, 4),
