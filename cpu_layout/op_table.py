@@ -22,7 +22,7 @@ over a split's pieces) are patterns.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
@@ -271,14 +271,32 @@ def encode(em, n: ir.Aten, slot_of) -> None:
     spec.encode(em, n, slot_of)
 
 
-# ATen's 2-d pooling arguments: an int or a list of one or two.
-def pair(v):
+def _pair(v):
+    """An ATen 2-d pooling size: an int or a list of one or two, as a list of two."""
     v = list(v) if isinstance(v, (list, tuple)) else [v]
     return v * (2 // len(v)) if len(v) in (1, 2) else v
 
 
-def pool_window(a):
-    """kernel, stride (empty: the kernel) and padding of a 2-D pool's ATen arguments."""
-    k = pair(a[1])
-    st = pair(a[2]) if len(a) > 2 and a[2] else k
-    return k, st, pair(a[3] if len(a) > 3 else 0)
+class PoolArgs(NamedTuple):
+    kernel: list
+    stride: list
+    padding: list
+    dilation: list
+    ceil_mode: bool
+    count_include_pad: bool  # avg only
+    divisor: Optional[int]  # avg only: divisor_override
+
+
+def pool_args(target, a) -> PoolArgs:
+    """The arguments of max_pool2d(x, kernel, stride=[] (the kernel), padding=0,
+    dilation=1, ceil_mode=False) or avg_pool2d(x, kernel, stride=[], padding=0,
+    ceil_mode=False, count_include_pad=True, divisor_override=None), defaults filled in:
+    one reading for the generated pool kernel and the segment runtime's ATen pools."""
+    k = _pair(a[1])
+    st = _pair(a[2]) if len(a) > 2 and a[2] else k
+    pad = _pair(a[3] if len(a) > 3 else 0)
+    if target is aten.max_pool2d.default:
+        return PoolArgs(k, st, pad, _pair(a[4] if len(a) > 4 else 1), bool(a[5]) if len(a) > 5 else False,
+                        True, None)
+    return PoolArgs(k, st, pad, [1, 1], bool(a[4]) if len(a) > 4 else False,
+                    bool(a[5]) if len(a) > 5 else True, a[6] if len(a) > 6 else None)

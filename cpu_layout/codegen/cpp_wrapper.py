@@ -36,8 +36,9 @@ from cpu_layout import config, ir
 from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout import ops, runtime, segments
-from cpu_layout.codegen import specs
 from cpu_layout.codegen import program as P
+from cpu_layout.codegen import specs, wrapper
+from cpu_layout.reads import conversions, dense_as_planned, read_conversion
 
 aten = torch.ops.aten
 
@@ -80,7 +81,6 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
             prog.op("SYM_DIM", slots[sym], em.reg[src], dim)
     prog.n_syms = len(slots)
     outset = set(outs)
-    from cpu_layout.reads import conversions, dense_as_planned, read_conversion
 
     reads, last_conv = conversions(seg.members, read_conversion)
     for m in seg.members:
@@ -121,7 +121,6 @@ def build(g: ir.Graph, bind, debug: bool = False):
     """Rewrite a planned, fused graph for cpp_wrapper mode (segments.py) and compile it;
     `bind` (schedule.bind) makes the runners of what stays in Python. Returns the
     runners the Python wrapper (codegen.wrapper) needs."""
-    from cpu_layout.codegen import wrapper
 
     part = segments.partition(g)
     # Each segment as a program for the segment runtime; the graph's kernels are compiled below.

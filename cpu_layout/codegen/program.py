@@ -19,7 +19,7 @@ import torch
 from cpu_layout import build, ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
-from cpu_layout.op_table import RESHAPE_OPS, float_tensor, pair, permutation_of, pool_window
+from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of, pool_args
 from cpu_layout.reads import read_conversion
 
 aten = torch.ops.aten
@@ -420,26 +420,21 @@ class SegmentEncoder:
                   ES[n.out.dtype], self.fresh_flag(n.out))
 
     def max_pool(self, n: ir.Aten):
-        a = n.args
-        x = self.read(n, a[0])
+        x = self.read(n, n.args[0])
         out = self.out_reg(n)
-        k, st, pad = pool_window(a)
-        dil = pair(a[4] if len(a) > 4 else 1)
-        ceil = int(bool(a[5])) if len(a) > 5 else 0
+        p = pool_args(n.target, n.args)
         self.fresh.add(n.out)
-        self.p.op("MAX_POOL", out, x, k, st, pad, dil, ceil, self.p.name(f"{n.name}: max_pool2d"))
+        self.p.op("MAX_POOL", out, x, p.kernel, p.stride, p.padding, p.dilation, int(p.ceil_mode),
+                  self.p.name(f"{n.name}: max_pool2d"))
 
     def avg_pool(self, n: ir.Aten):
-        a = n.args
-        x = self.read(n, a[0])
+        x = self.read(n, n.args[0])
         out = self.out_reg(n)
-        k, st, pad = pool_window(a)
-        ceil = int(bool(a[4])) if len(a) > 4 else 0
-        incl = int(bool(a[5])) if len(a) > 5 else 1
-        div = a[6] if len(a) > 6 else None
+        p = pool_args(n.target, n.args)
         self.fresh.add(n.out)
-        self.p.op("AVG_POOL", out, x, k, st, pad, ceil, incl, int(div is not None),
-                  int(div) if div is not None else 0, self.p.name(f"{n.name}: avg_pool2d"))
+        self.p.op("AVG_POOL", out, x, p.kernel, p.stride, p.padding, int(p.ceil_mode), int(p.count_include_pad),
+                  int(p.divisor is not None), int(p.divisor) if p.divisor is not None else 0,
+                  self.p.name(f"{n.name}: avg_pool2d"))
 
     def cat(self, n: ir.Aten, own: bool):
         a = n.args

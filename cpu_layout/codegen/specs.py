@@ -10,7 +10,7 @@ from cpu_layout import runtime
 from cpu_layout.codegen import expr as E
 from cpu_layout.codegen.cpp_kernels import (_CTYPE, GroupNormKernel, LayerNormKernel, PointwiseKernel,
                                             PoolKernel, ReductionKernel, SoftmaxKernel)
-from cpu_layout.op_table import pair, pool_window
+from cpu_layout.op_table import pool_args
 
 
 def pool_kernel(n: ir.Node):
@@ -25,14 +25,13 @@ def pool_kernel(n: ir.Node):
     a = n.args
     if not all(type(v) in (int, bool) or v is None for v in runtime.leaves(a[1:])):
         return None
-    k, st, pad = pool_window(a)
-    if len(k) != 2 or len(st) != 2 or len(pad) != 2:
+    p = pool_args(n.target, a)
+    if len(p.kernel) != 2 or len(p.stride) != 2 or len(p.padding) != 2:
         return None
     if n.target is aten.max_pool2d.default:
-        dil = pair(a[4] if len(a) > 4 else 1)
-        return PoolKernel(n.out.dtype, "max", k, st, pad, dil, bool(a[5]) if len(a) > 5 else False)
-    return PoolKernel(n.out.dtype, "avg", k, st, pad, (1, 1), bool(a[4]) if len(a) > 4 else False,
-                      bool(a[5]) if len(a) > 5 else True, a[6] if len(a) > 6 else None)
+        return PoolKernel(n.out.dtype, "max", p.kernel, p.stride, p.padding, p.dilation, p.ceil_mode)
+    return PoolKernel(n.out.dtype, "avg", p.kernel, p.stride, p.padding, p.dilation, p.ceil_mode,
+                      p.count_include_pad, p.divisor)
 
 
 def kernel_spec(n: ir.Node):

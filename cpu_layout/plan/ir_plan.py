@@ -87,8 +87,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
                 add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0))
             elif priced is not None:
                 pool = n.target in (aten.max_pool2d.default, aten.avg_pool2d.default)
-                kernel = tuple(n.args[1]) if pool and len(n.args) > 1 else ()
-                kernel = kernel * 2 if len(kernel) == 1 else kernel  # [k] means k x k
+                kernel = tuple(T.pool_args(n.target, n.args).kernel) if pool and len(n.args) > 1 else ()
                 add(pg.Pool(b.name, ins[:1], b.size, b.dtype, op=priced,
                             kernel=kernel if all(type(k) is int for k in kernel) else ()))
             else:
