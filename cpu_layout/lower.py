@@ -418,8 +418,11 @@ class Lowering(Patterns):
                     # the batch): a constant's size is fixed at compile time.
                     # (An element of a tuple of module state, such as the var_mean of
                     # nfnet's weight standardisation, is module state as well.)
+                    # Every input counts, scalars too: a ramp scaled by a number
+                    # computed from a symbolic size (a decomposed upsample to a fixed
+                    # size from a dynamic one) changes with the input.
                     tensors = [b for b in node.inputs if b.is_tensor or isinstance(node, ir.Getitem)]
-                    r.constant = (bool(tensors) and all(b.constant for b in tensors)
+                    r.constant = (bool(tensors) and all(b.constant for b in node.inputs)
                                   and not isinstance(node, ir.Conv) and not node.effects
                                   and (not r.is_tensor or all(type(s) is int for s in r.size)))
                     if isinstance(node, ir.Aten) and node.target in CONSTANT_FACTORIES and not node.inputs:

@@ -104,18 +104,23 @@ class UpsampledHead(nn.Module):
     shapes its decomposition multiplies index ramps by a scale computed from the
     sizes at run time (a Python number, not a tensor)."""
 
-    def __init__(self):
+    def __init__(self, size=None):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.size = size
 
     def forward(self, x):
         y = torch.relu(self.conv(x))
-        return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        size = self.size or x.shape[-2:]
+        return F.interpolate(y, size=size, mode="bilinear", align_corners=False)
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
-def test_an_operand_computed_from_symbolic_sizes_stays_on_aten(amp, compiled_graphs):
-    model = UpsampledHead().eval()
+@pytest.mark.parametrize("size", [None, (24, 30)], ids=["input_size", "fixed_size"])
+def test_an_operand_computed_from_symbolic_sizes_stays_on_aten(amp, size, compiled_graphs):
+    # To a fixed size, the index ramps are constant but the scale that multiplies
+    # them is computed from the input's size: the product is not a constant.
+    model = UpsampledHead(size).eval()
     fn, y, ref = run_both(model, torch.randn(2, 3, 12, 16), amp=amp, dynamic=True)
     assert_matches(y, ref, amp)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
