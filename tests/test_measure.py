@@ -105,3 +105,27 @@ def test_post_ops_are_measured_with_the_conv_and_keyed_apart(cache, monkeypatch)
     model.save()
     keys = json.loads(next((cache / "autotune").iterdir()).read_text())
     assert len(keys) == 2 and any("po['add', 'relu']" in k for k in keys), keys
+
+
+def test_symbolic_sizes_are_measured_at_their_hints_without_guards(cache, monkeypatch):
+    from cpu_layout import backend
+
+    monkeypatch.setattr(measure, "_DEFAULT", None)
+    made, timed = [], []
+    real, real_measure = backend.compile_graph, measure._measure
+    monkeypatch.setattr(backend, "compile_graph",
+                        lambda gm, inputs, options, *rest: made.append(real(gm, inputs, options, *rest)) or made[-1])
+    monkeypatch.setattr(measure, "_measure", lambda conv: timed.append(tuple(conv.in_size)) or real_measure(conv))
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)).eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(model, backend="cpu_layout", dynamic=True)
+        for x in (torch.randn(2, 3, 24, 20), torch.randn(3, 3, 17, 31)):
+            y = fn(x)
+            torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-4)
+            assert y.stride() == model(x).stride()
+    assert len(made) == 1, "measuring at the hints must not specialise the graph"
+    assert timed == [(2, 3, 24, 20), (2, 16, 24, 20)], timed
+    plan = made[0].cpu_layout_graph.plan
+    assert all(d.cost.source.startswith("measured: ") for d in plan.convs.values()), plan.explain()
+    torch._dynamo.reset()

@@ -31,12 +31,17 @@ compile of resnet50 or densenet121 spent. Results are cached on disk per
 oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv7-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
-2); past the budget, and for shapes it cannot run (symbolic sizes, 1-D/3-D
-convs), the table and heuristics of `cost.CostModel` price the conv.
+2); past the budget, and for shapes it cannot run (1-D/3-D convs, sizes with
+no hint), the table and heuristics of `cost.CostModel` price the conv. A
+symbolic size (dynamic shapes) is measured at its hint, the size Dynamo
+compiled for, as the table prices it: fcn_resnet50 under dynamic=True then
+runs its 3x3 convs on Winograd as the static plan does (batch 2, 1 thread,
+EPYC Zen 4: the head's 2048->512 conv 136 instead of 317 ms).
 CPU_LAYOUT_AUTOTUNE=0 switches measuring off.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -105,9 +110,11 @@ class MeasuredCostModel(CostModel):
                 + (f" po{list(post)}" if post else ""))
 
     def conv_cost(self, conv) -> ConvCost:
-        key = self._key(conv) if config.autotune() else None
+        concrete = _at_hints(conv) if config.autotune() else None
+        key = self._key(concrete) if concrete is not None else None
         if key is None:
             return super().conv_cost(conv)
+        conv = concrete
         got = self._new.get(key) or self._load().get(key)
         if got is None and self._spent < config.autotune_budget():
             t0 = time.perf_counter()
@@ -144,6 +151,24 @@ class MeasuredCostModel(CostModel):
                 self._new = {}
             except OSError:
                 pass  # a read-only cache: measure again next time
+
+
+def _at_hints(conv):
+    """The conv with every symbolic size at its hint (the size Dynamo compiled it
+    for), as the table prices it; None when a size has no hint (unbacked)."""
+    def concrete(x):
+        if type(x) is int:
+            return x
+        if isinstance(x, torch.SymInt) and x.node.has_hint():
+            return int(x.node.hint)
+        return None
+
+    in_size, size = tuple(map(concrete, conv.in_size)), tuple(map(concrete, conv.size))
+    if None in in_size or None in size:
+        return None
+    if all(type(x) is int for x in (*conv.in_size, *conv.size)):
+        return conv  # (comparing a SymInt with its hint would add a guard)
+    return dataclasses.replace(conv, in_size=in_size, size=size)
 
 
 def measured_cost(got) -> ConvCost:
