@@ -344,6 +344,17 @@ def same_sizes(a: Sequence, b: Sequence) -> bool:
     return _same(tuple(a), tuple(b))
 
 
+def made_contiguous(t: torch.Tensor) -> bool:
+    """Is (fake) tensor `t` laid out as torch lays out a new contiguous tensor of its
+    size? Never guards. Compared with torch's own strides for the size: under
+    dynamic shapes those read `Max(1, s)` for a size `s`, which no static
+    comparison with `contiguous_strides` (products of the sizes) decides."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    stride, size = tuple(t.stride()), tuple(t.shape)
+    return same_sizes(stride, make_contiguous_strides_for(size)) or same_sizes(stride, contiguous_strides(size))
+
+
 def require_order(layout: Layout, order: Order) -> Tuple[FixedLayout, bool]:
     """Make `layout` satisfy `order`; returns (new fixed layout, needs_copy).
 

@@ -174,8 +174,7 @@ class Lowering(Patterns):
                 or len(params) > 1 or params - {xv.dtype, torch.float32}):
             return self._aten(n, ir.EAGER)
         out_v = self._val(n)[0]
-        if out_v.dtype != xv.dtype or not L.same_sizes(tuple(out_v.stride()),
-                                                        L.contiguous_strides(tuple(out_v.shape))):
+        if out_v.dtype != xv.dtype or not L.made_contiguous(out_v):
             return self._aten(n, ir.EAGER)
         out = self.g.new_buffer(size=tuple(out_v.shape), dtype=out_v.dtype, eager_stride=tuple(out_v.stride()))
         wb = self.env[w] if w is not None else None
@@ -216,7 +215,7 @@ class Lowering(Patterns):
         x, dim, half_to_float = n.args
         xv, v = self._val(x), self._val(n)
         if (xv.dtype not in FLOAT or half_to_float or v.dtype != xv.dtype or type(dim) is not int
-                or not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape)))):
+                or not L.made_contiguous(v)):
             return self._aten(n, ir.EAGER)
         out = self._buffer_for(n)
         xb = self.env[x]
@@ -230,7 +229,7 @@ class Lowering(Patterns):
             if r is not None:
                 return r
         v = self._val(n)
-        if not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape))):
+        if not L.made_contiguous(v):
             return self._aten(n, ir.EAGER)
         return self._aten(n, ir.DENSE)
 
