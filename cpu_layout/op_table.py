@@ -34,6 +34,11 @@ aten = torch.ops.aten
 
 # The view ops that may copy (a reshape when memory order does not allow an alias).
 RESHAPE_OPS = (aten.view.default, aten._unsafe_view.default)
+# Size queries: they read a tensor's sizes, which no layout changes, so they read
+# it as it is (reads.required) and do not count as readers of its values (fuse).
+# Under dynamic shapes a view's sizes come from them. (Not sym_stride: strides
+# are the layout.)
+SIZE_QUERIES = (aten.sym_size.int, aten.sym_numel.default)
 # Splits run as views (clw::narrow), one per Getitem of the result.
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 

@@ -10,6 +10,7 @@ import torch
 
 from cpu_layout import ir
 from cpu_layout import layout as L
+from cpu_layout import op_table as T
 
 
 # ATen calls whose first input is walked densely when planned channels-last
@@ -28,6 +29,8 @@ def required(node: ir.Node, b: ir.Buffer):
         return lay if lay in L.LABELS and b.rank == node.out.rank and any(a is b for a in acts) else None
     if not b.is_tensor or isinstance(node, (ir.Getitem, ir.Kernel, ir.Reduction, ir.Segment)):
         return None  # kernels read any strides (segments convert inside); getitem only picks
+    if isinstance(node, ir.Aten) and node.target in T.SIZE_QUERIES:
+        return None  # sizes: the same in any layout (the planner prices no read either)
     if isinstance(node, ir.Output) or node.rule == ir.EAGER:
         return b.eager_want()
     if node.rule in (ir.VIEW, ir.SLICE):
