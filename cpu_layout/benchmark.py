@@ -407,7 +407,8 @@ def _backend_callable(c: Compiled, backend: str, wrapper: str, options: Optional
 
 def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
                   dynamic: bool = False, wrapper: str = "default", channels_last: bool = False,
-                  *, options: Optional[dict] = None, reset: bool = True) -> Compiled:
+                  *, options: Optional[dict] = None, reset: bool = True,
+                  guard_filter_fn: Optional[Callable] = None) -> Compiled:
     """Prepare (copy, cast, channels_last) and torch.compile `model` for one configuration.
 
     Compilation is lazy: call `.first_call(x)` with `.prepare_input(x)`. With reset=True
@@ -417,6 +418,8 @@ def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
     Raises ValueError for bad arguments, NotSupportedYet for cpu_layout + wrapper="cpp"
     while the backend does not implement it, and for openvino when it does not import.
     backend="openvino" ignores wrapper, channels_last and options (OpenVINOCompiled).
+    guard_filter_fn: torch.compile's own option (which Dynamo guards to keep), for
+    the torch.compile'd backends; the exported entry and OpenVINO have no guards.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -440,7 +443,8 @@ def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
         torch._dynamo.reset()
     if backend.startswith("inductor"):
         c._patches = _inductor_patches(backend, wrapper)
-    c.fn = torch.compile(m, backend=_backend_callable(c, backend, wrapper, options), dynamic=False)
+    c.fn = torch.compile(m, backend=_backend_callable(c, backend, wrapper, options), dynamic=False,
+                         options={"guard_filter_fn": guard_filter_fn} if guard_filter_fn else None)
     return c
 
 

@@ -31,13 +31,18 @@ backend compiled (and, for frz, that Inductor's freeze() really ran).
                                    [--batch N] [--size N] [--dtypes float32,amp]
                                    [--shapes static,dynamic] [--backends eager,cplcpp,ov]
                                    [--threads N] [--iters N] [--quick] [--csv PATH]
-                                   [--skip-guards]
+                                   [--skip-guards] [--guard-filter]
 
 --skip-guards times every torch.compile'd variant under
 torch.compiler.set_stance(skip_guard_eval_unsafe=True): Dynamo then checks only the
 guards that tell its cached graphs apart, the setting for serving one model with
 fixed input shapes (unsafe otherwise: it may run a graph compiled for other inputs).
 At batch 1 Dynamo's guards are a sizeable part of a small model's per-call time.
+--guard-filter compiles every torch.compile'd variant (Inductor's too) with
+options={"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}:
+Dynamo keeps the guards on the inputs and drops those on torch.nn's own modules
+(their attributes and submodules; changing them, model.train() included, then
+goes unnoticed), a per-model choice that saves as much as --skip-guards.
 
 Inductor compile times dominate the run time (seconds to tens of seconds per graph on
 two cores, less once its on-disk caches are warm); --backends drops some.
@@ -141,7 +146,9 @@ def run_config(name, dtype, shape, variants, args):
         backend, cl, wrapper = VARIANTS[label]
         try:
             c = B.compile_model(model, backend, dtype, dynamic if backend != "eager" else False,
-                                wrapper, cl, reset=False)
+                                wrapper, cl, reset=False,
+                                guard_filter_fn=(torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
+                                                 if args.guard_filter else None))
             xi = c.prepare_input(x)
             t0 = time.perf_counter()
             c.first_call(xi)
@@ -339,6 +346,9 @@ def main(argv=None):
     ap.add_argument("--skip-guards", action="store_true",
                     help="time compiled variants under torch.compiler.set_stance("
                          "skip_guard_eval_unsafe=True) (serving; see above)")
+    ap.add_argument("--guard-filter", action="store_true",
+                    help="compile with options={'guard_filter_fn': torch.compiler."
+                         "skip_guard_on_inbuilt_nn_modules_unsafe} (serving; see above)")
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.rounds, args.warmup = 12, 3, 2
@@ -382,7 +392,8 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
           f"{args.iters} timed calls per variant in {args.rounds} interleaved rounds; "
           f"compile caches: {'fresh (cold)' if args.cold else 'as found on disk (may be warm)'}"
-          f"{'; Dynamo guards skipped while timing (--skip-guards)' if args.skip_guards else ''}")
+          f"{'; Dynamo guards skipped while timing (--skip-guards)' if args.skip_guards else ''}"
+          f"{'; no guards on torch.nn modules (--guard-filter)' if args.guard_filter else ''}")
     t_start = time.perf_counter()
     results = []
     configs = [(n, d, s) for n in names for d in dtypes for s in shapes]

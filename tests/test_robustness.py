@@ -265,3 +265,21 @@ def test_state_key_sees_every_kind_of_change(check, monkeypatch):
     with torch.inference_mode():
         bi.data = torch.randn(4)
     assert not key.same([wi, bi]), "an inference tensor on other storage"
+
+
+def test_without_guards_on_nn_modules_new_state_is_still_seen():
+    """The README's serving option (guard_filter_fn=skip_guard_on_inbuilt_nn_modules_unsafe)
+    drops Dynamo's guards on torch.nn modules: the backend's own module-state check
+    must still see parameters changed in place, replaced, and batch-norm buffers."""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        c = torch.compile(m, backend="cpu_layout", options={  # both wrappers: the `wrapper` fixture
+            "guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe})
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-5)
+        m[0].weight.mul_(2)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-5)
+        m[0].weight = nn.Parameter(torch.randn(8, 3, 3, 3))
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-5)
+        m[1].running_var.fill_(4.0)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-5)
