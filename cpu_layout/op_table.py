@@ -184,8 +184,15 @@ def _addmm_in_cpp(n):
     return _float_call(n) and not n.kwargs and static(n.args[3:]) and n.inputs[0].rank in (1, 2)
 
 
-def _as_strided_in_cpp(n):  # static sizes, strides and offset
-    return _float_call(n) and not n.kwargs and 3 <= len(n.args) <= 4 and static(n.args[1:])
+def _as_strided_in_cpp(n):  # sizes and strides as the runtime's size expressions, a static offset
+    if not (_float_call(n) and not n.kwargs and 3 <= len(n.args) <= 4
+            and (len(n.args) == 3 or static(n.args[3])) and _sizes_print(n)):
+        return False
+    try:
+        [S.rpn(s, lambda sym: 0) for s in n.out.eager_stride]
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _shuffle_in_cpp(n):  # csrc/shuffle.cpp, through the extension
@@ -250,7 +257,7 @@ OPS: Dict[object, AtenOp] = {
     aten.split_with_sizes.default: AtenOp(ir.EAGER, in_cpp=_split_in_cpp, encode=lambda em, n, s: em.split(n)),
     aten.slice.Tensor: AtenOp(ir.EAGER, in_cpp=_slice_in_cpp,
                               encode=lambda em, n, s: em.slice(n, *slice_range(n))),
-    aten.as_strided.default: AtenOp(ir.EAGER, in_cpp=_as_strided_in_cpp, encode=lambda em, n, s: em.as_strided(n)),
+    aten.as_strided.default: AtenOp(ir.EAGER, in_cpp=_as_strided_in_cpp, encode=lambda em, n, s: em.as_strided(n, s)),
     aten._unsafe_index.Tensor: AtenOp(ir.EAGER, in_cpp=_index_in_cpp, encode=lambda em, n, s: em.index(n)),
     aten.index.Tensor: AtenOp(ir.EAGER, in_cpp=_index_in_cpp, encode=lambda em, n, s: em.index(n)),
 }

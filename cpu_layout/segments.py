@@ -29,6 +29,9 @@ from cpu_layout import runtime
 from cpu_layout.codegen import program as P
 from cpu_layout.codegen import sizes as S
 
+# Its sizes and strides are its result's, as size expressions (program.as_strided).
+AS_STRIDED = torch.ops.aten.as_strided.default
+
 
 # ---- which nodes run in C++ ------------------------------------------------------
 
@@ -126,7 +129,7 @@ def _prepare(g: ir.Graph) -> None:
         pos = rest.index(n) + 1
         g.nodes = rest[:pos] + items + rest[pos:]
     for n in g.nodes:
-        if isinstance(n, ir.Aten) and n.rule == ir.VIEW and runs_in_cpp(n):
+        if isinstance(n, ir.Aten) and (n.rule == ir.VIEW or n.target is AS_STRIDED) and runs_in_cpp(n):
             # Its sizes come from the symbolic shape, so the scalar arithmetic
             # that fed it in Python is no longer needed (and would split segments).
             for b in [b for b in n.inputs if not b.is_tensor]:
@@ -172,8 +175,9 @@ def _segment_io(grp: List[ir.Node], output: ir.Output, sym_src: Dict):
     outs.sort(key=lambda b: grp.index(b.producer))
     syms = set()
     for m in grp:
-        if isinstance(m, ir.Aten) and m.target in T.RESHAPE_OPS:
-            for sym in set().union(*(S.free_symbols(s) for s in m.out.size)):
+        if isinstance(m, ir.Aten) and (m.target in T.RESHAPE_OPS or m.target is AS_STRIDED):
+            dims = (*m.out.size, *(m.out.eager_stride if m.target is AS_STRIDED else ()))
+            for sym in set().union(*(S.free_symbols(s) for s in dims)):
                 if sym not in sym_src:
                     raise NotImplementedError(f"no input defines size symbol {sym}")
                 syms.add(sym)

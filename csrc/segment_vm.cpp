@@ -521,9 +521,12 @@ void Run::run(uintptr_t* out) {
         set(o, H(t));
         break;
       }
-      case AS_STRIDED: {  // out x nd sz[nd] st[nd] offset(-1: the input's)
+      case AS_STRIDED: {  // out x nd (size expr)*nd (stride expr)*nd offset(-1: the input's)
         const int64_t o = A(), x = A(), nd = A();
-        const int64_t *sz = P(nd), *st = P(nd);
+        if (nd > 16) fail("segment program: more than 16 dims");
+        int64_t sz[16], st[16];
+        for (int64_t i = 0; i < nd; ++i) sz[i] = expr();
+        for (int64_t i = 0; i < nd; ++i) st[i] = expr();
         const int64_t off = A();
         set(o, clw::as_strided(R(x), (int)nd, sz, st, off));
         break;

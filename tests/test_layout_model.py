@@ -220,19 +220,28 @@ def test_linear_layers_with_a_dynamic_batch(amp, cpp, compiled_graphs):
         assert not [n for n in g.walk() if isinstance(n, ir.Aten) and n.rule == ir.DENSE], g.dump()
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
-def test_torchvision_convnext_is_one_cpp_segment(amp, compiled_graphs):
+def test_torchvision_convnext_is_one_cpp_segment(amp, dynamic, compiled_graphs):
     """The whole of torchvision's ConvNeXt (permutes, layer norms, linears, its
-    head's as_strided) runs in one C++ call per forward."""
+    head's as_strided, whose sizes and strides follow the batch under dynamic
+    shapes) runs in one C++ call per forward."""
     if zoo.import_torchvision() is None:
         pytest.skip("torchvision is not installed")
     model = zoo.build("torchvision", "convnext_tiny")
-    x = zoo.example_input((1, 3, 32, 32))
-    ref, y, _ = compile_run(model, x, amp, compiled_graphs, cpp=True, calls=1)
+    x = zoo.example_input((2 if dynamic else 1, 3, 32, 32))
+    ref, y, _ = compile_run(model, x, amp, compiled_graphs, cpp=True, calls=1, dynamic=dynamic)
     assert_same(y, ref, amp)
     g = compiled_graphs[0].cpu_layout_graph
     assert [type(n) for n in g.nodes if not isinstance(n, (ir.Input, ir.Output, ir.Getitem))] == \
         [ir.Aten, ir.Segment], g.dump()
+    if dynamic:
+        x3 = zoo.example_input((3, 3, 32, 32))  # (its 32 px compile guards the spatial size)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            fn = torch.compile(model, backend="cpu_layout", dynamic=True,
+                               options={"debug": True, "cpp_wrapper": True})  # compile_run's
+            assert_same(fn(x3), model(x3), amp)
+        assert len(compiled_graphs) == 1, "another size must not recompile"
 
 
 class ShuffleBlock(nn.Module):

@@ -448,13 +448,19 @@ class SegmentEncoder:
             self.fresh.add(n.out)
             self.p.op("CAT_SHIM", out, a[1] if len(a) > 1 else 0, len(parts), parts, self.p.name(f"{n.name}: cat"))
 
-    def as_strided(self, n: ir.Aten):
-        """Over eager's layout of its input (its read rule)."""
+    def as_strided(self, n: ir.Aten, slot_of):
+        """Over eager's layout of its input (its read rule). Its sizes and strides
+        are its result's (as_strided's arguments exactly), as size expressions:
+        under dynamic shapes they follow the batch."""
         a = n.args
         x = self.read_aliased(n, a[0])
         out = self.out_reg(n)
         off = -1 if len(a) < 4 or a[3] is None else int(a[3])
-        self.p.op("AS_STRIDED", out, x, len(a[1]), a[1], a[2], off)
+        exprs = []
+        for s in (*n.out.size, *n.out.eager_stride):
+            tok = S.rpn(s, slot_of)
+            exprs += [len(tok), *tok]
+        self.p.op("AS_STRIDED", out, x, n.out.rank, exprs, off)
 
     def upsample(self, n: ir.Aten):
         a = n.args
