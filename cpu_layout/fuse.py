@@ -69,13 +69,14 @@ def _activation_through_views(g: ir.Graph, conv: ir.Conv, unfused=()) -> bool:
     before its GELU): the activation becomes a post-op and the views carry the
     activated values; an element-wise op commutes with any view."""
     b, chain = conv.out, []
-    while (len(_value_users(b)) == 1 and isinstance(_value_users(b)[0], ir.Aten)
-           and _value_users(b)[0].rule == ir.VIEW):
-        b = _value_users(b)[0].out
+    readers = _value_users(b)
+    while len(readers) == 1 and isinstance(readers[0], ir.Aten) and readers[0].rule == ir.VIEW:
+        b = readers[0].out
         chain.append(b)
-    if not chain or len(_value_users(b)) != 1 or not isinstance(_value_users(b)[0], ir.Pointwise):
+        readers = _value_users(b)
+    if not chain or len(readers) != 1 or not isinstance(readers[0], ir.Pointwise):
         return False
-    user = _value_users(b)[0]
+    user = readers[0]
     act = _activation(user, unfused) if len(user.inputs) == 1 else None
     if act is None or user.out.dtype != b.dtype or not L.same_sizes(user.out.size, b.size):
         return False
