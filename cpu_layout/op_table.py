@@ -137,13 +137,30 @@ def _static_call(n: ir.Aten) -> bool:
     return _float_call(n) and not n.kwargs and static(n.args[1:])
 
 
-def _sizes_print(n: ir.Aten) -> bool:
-    """Whether the result's sizes print as the runtime's size expressions."""
+def shape_exprs(n: ir.Node) -> tuple:
+    """The sizes a node's segment instruction computes at run time from the size
+    symbols: a reshape's result sizes, an as_strided's result sizes and strides
+    (its arguments); () for any other node."""
+    if not isinstance(n, ir.Aten):
+        return ()
+    if n.target in RESHAPE_OPS:
+        return tuple(n.out.size)
+    if n.target is aten.as_strided.default:
+        return (*n.out.size, *n.out.eager_stride)
+    return ()
+
+
+def _print(sizes) -> bool:
+    """Whether `sizes` print as the runtime's size expressions."""
     try:
-        [S.rpn(s, lambda sym: 0) for s in n.out.size]
+        [S.rpn(s, lambda sym: 0) for s in sizes]
     except NotImplementedError:
         return False
     return True
+
+
+def _sizes_print(n: ir.Aten) -> bool:
+    return _print(n.out.size)
 
 
 def _reshape_in_cpp(n):
@@ -185,14 +202,8 @@ def _addmm_in_cpp(n):
 
 
 def _as_strided_in_cpp(n):  # sizes and strides as the runtime's size expressions, a static offset
-    if not (_float_call(n) and not n.kwargs and 3 <= len(n.args) <= 4
-            and (len(n.args) == 3 or static(n.args[3])) and _sizes_print(n)):
-        return False
-    try:
-        [S.rpn(s, lambda sym: 0) for s in n.out.eager_stride]
-    except NotImplementedError:
-        return False
-    return True
+    return (_float_call(n) and not n.kwargs and 3 <= len(n.args) <= 4
+            and (len(n.args) == 3 or static(n.args[3])) and _print(shape_exprs(n)))
 
 
 def _shuffle_in_cpp(n):  # csrc/shuffle.cpp, through the extension

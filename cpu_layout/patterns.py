@@ -120,7 +120,7 @@ class Patterns:
                 or any(t.dtype != xb.dtype for t in (w, v))
                 or not all(type(s) is int for s in (xb.size[1], *w.size, v.shape[1]))
                 or (bb is not None and (not bb.constant or bb.rank != 1 or bb.dtype != xb.dtype))
-                or not L.same_sizes(tuple(v.stride()), L.contiguous_strides(tuple(v.shape)))):
+                or not L.made_contiguous(v)):
             return None
         (m, k), (nout, _) = xb.size, w.size
         if type(m) is int and m == 0:

@@ -29,7 +29,7 @@ from cpu_layout import runtime
 from cpu_layout.codegen import program as P
 from cpu_layout.codegen import sizes as S
 
-# Its sizes and strides are its result's, as size expressions (program.as_strided).
+# Its sizes and strides come from the symbolic shape (op_table.shape_exprs).
 AS_STRIDED = torch.ops.aten.as_strided.default
 
 
@@ -175,16 +175,14 @@ def _segment_io(grp: List[ir.Node], output: ir.Output, sym_src: Dict):
     outs.sort(key=lambda b: grp.index(b.producer))
     syms = set()
     for m in grp:
-        if isinstance(m, ir.Aten) and (m.target in T.RESHAPE_OPS or m.target is AS_STRIDED):
-            dims = (*m.out.size, *(m.out.eager_stride if m.target is AS_STRIDED else ()))
-            for sym in set().union(*(S.free_symbols(s) for s in dims)):
-                if sym not in sym_src:
-                    raise NotImplementedError(f"no input defines size symbol {sym}")
-                syms.add(sym)
-                b, dim = sym_src[sym]
-                target = scalars if dim is None else acts
-                if b not in target:
-                    target.append(b)
+        for sym in set().union(*(S.free_symbols(s) for s in T.shape_exprs(m))):
+            if sym not in sym_src:
+                raise NotImplementedError(f"no input defines size symbol {sym}")
+            syms.add(sym)
+            b, dim = sym_src[sym]
+            target = scalars if dim is None else acts
+            if b not in target:
+                target.append(b)
     sym_reads = [(sym, *sym_src[sym]) for sym in sorted(syms, key=lambda s: s.name)]
     return acts, consts, outs, scalars, sym_reads
 

@@ -19,7 +19,7 @@ import torch
 from cpu_layout import build, ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
-from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of, pool_args
+from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of, pool_args, shape_exprs
 from cpu_layout.reads import read_conversion
 
 aten = torch.ops.aten
@@ -168,6 +168,15 @@ class Program:
 
 def _cl(order) -> int:
     return int(order == L.CHANNELS_LAST)
+
+
+def _size_exprs(sizes, slot_of) -> list:
+    """Size expressions as a program writes them: each its token count, then its tokens."""
+    out = []
+    for s in sizes:
+        tok = S.rpn(s, slot_of)
+        out += [len(tok), *tok]
+    return out
 
 
 class SegmentEncoder:
@@ -393,11 +402,7 @@ class SegmentEncoder:
         out = self.out_reg(n)
         perm = permutation_of(t, a, a[0].rank)
         if t in RESHAPE_OPS:
-            exprs = []
-            for s in n.out.size:
-                tok = S.rpn(s, slot_of)
-                exprs += [len(tok), *tok]
-            self.p.op("RESHAPE", out, x, n.out.rank, exprs)
+            self.p.op("RESHAPE", out, x, n.out.rank, _size_exprs(shape_exprs(n), slot_of))
         elif perm is not None:
             self.p.op("PERMUTE", out, x, a[0].rank, perm)
         else:  # unsqueeze
@@ -456,11 +461,7 @@ class SegmentEncoder:
         x = self.read_aliased(n, a[0])
         out = self.out_reg(n)
         off = -1 if len(a) < 4 or a[3] is None else int(a[3])
-        exprs = []
-        for s in (*n.out.size, *n.out.eager_stride):
-            tok = S.rpn(s, slot_of)
-            exprs += [len(tok), *tok]
-        self.p.op("AS_STRIDED", out, x, n.out.rank, exprs, off)
+        self.p.op("AS_STRIDED", out, x, n.out.rank, _size_exprs(shape_exprs(n), slot_of), off)
 
     def upsample(self, n: ir.Aten):
         a = n.args
