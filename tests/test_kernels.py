@@ -939,7 +939,12 @@ def test_staged_bf16_math_equals_the_direct_loop(case, layout, monkeypatch):
     staged(shape, xs, got)
     for w, g in zip(want, got):  # libm and libmvec expf: within 2 float ulp, 1 bf16 ulp
         if w.dtype == bf16:
-            assert (ordered(w) - ordered(g)).abs().max().item() <= 1
+            # tanh-GELU's tail is x * (1 + tanh(u)) with tanh(u) near -1: libm's and
+            # libmvec's last float ulp there (6e-8, times |x|) are many bf16 ulps of a
+            # value near zero (seen on Sapphire Rapids), so those may differ absolutely
+            ulps = (ordered(w) - ordered(g)).abs()
+            near_zero = (w.float() - g.float()).abs() <= 1e-6
+            assert (ulps <= 1).logical_or(near_zero).all(), ulps.max()
         else:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
     if outs[0][1] == ins[0]:  # in place: output 0 over input 0
