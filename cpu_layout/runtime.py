@@ -240,6 +240,21 @@ def empty_in_order(size, dtype, order: str) -> torch.Tensor:
     return ops.empty_dense(size, dtype, _planned_cl(order, len(size)))
 
 
+class CatCall:
+    """A cat that reads its parts where they are (op_table.cat_reads_in_place),
+    into a result in the planned order, as a segment's cat: ATen's cat.out keeps
+    the strides of a result of the right size, and copies each part into its slice."""
+
+    def __init__(self, order: str):
+        self.order = order
+
+    def __call__(self, parts, dim=0):
+        size = list(parts[0].shape)
+        d = dim % len(size)
+        size[d] = sum(p.shape[d] for p in parts)
+        return torch.ops.aten.cat.out(parts, dim, out=empty_in_order(size, parts[0].dtype, self.order))
+
+
 class KernelCall:
     """A fused element-wise kernel: output allocated in the planned layout,
     sizes taken from the inputs at run time (one kernel serves every shape)."""

@@ -451,6 +451,43 @@ def test_split_pieces_and_slices_are_views_in_the_planned_layout(fmt, batch, gra
     assert all(isinstance(made_by[u], ir.Conv) for u in readers), plan.explain()
 
 
+class CatOfTwoOrders(nn.Module):
+    """A cat of a channels-last and a contiguous tensor, then a conv: whichever
+    order the plan gives the cat, one part is in the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(10, 6, 3, padding=1)
+
+    def forward(self, x, y):
+        return self.conv(torch.cat([x, y], 1))
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_a_cat_reads_a_part_in_the_other_order_in_place(grad, amp, cpp, compiled_graphs):
+    """The cat copies every part into its slice anyway, so a part in the other
+    order is read where it is (the plan prices that read, no copy is made)."""
+    model = CatOfTwoOrders().eval()
+    x = torch.randn(2, 4, 9, 7).to(memory_format=torch.channels_last)
+    y = torch.randn(2, 6, 9, 7)
+    mode = torch.inference_mode() if grad == "inference_mode" else torch.no_grad()
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        ref = model(x, y)
+        fn = torch.compile(model, backend="cpu_layout", options={"debug": True, "cpp_wrapper": cpp})
+        fn(x, y)
+        before = runtime.COPIES["count"]
+        out = fn(x, y)
+        copies = runtime.COPIES["count"] - before
+    assert_same(out, ref, amp)
+    plan = compiled_graphs[0].cpu_layout_graph.plan
+    cat = next(n for n in _nodes(compiled_graphs) if getattr(n, "target", None) is torch.ops.aten.cat.default)
+    assert [c for c in plan.copies if cat.out.name in c.consumers and c.strided], plan.explain()
+    assert not [c for c in plan.executed_copies if cat.out.name in c.consumers], plan.explain()
+    assert copies == planned_copies(compiled_graphs), plan.explain()
+
+
 @pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
 @pytest.mark.parametrize("how", ["piece_out", "piece_view"])
 def test_a_piece_returned_or_viewed_keeps_eagers_strides(how, cpp, compiled_graphs):

@@ -155,7 +155,10 @@ class Permute(Node):
 
 @dataclass(eq=False)
 class Concat(Node):
+    """`strided_reads`: it reads a part in another order in place (priced like
+    the copy it replaces, never made; op_table.cat_reads_in_place)."""
     dim: int = 1
+    strided_reads: bool = False
     kind = "concat"
 
 

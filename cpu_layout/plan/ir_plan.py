@@ -84,7 +84,8 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
             ins = tensors(n.inputs)
             priced = T.OPS[n.target].priced if n.target in T.OPS else None
             if priced == "concat":
-                add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0))
+                add(pg.Concat(b.name, ins, b.size, b.dtype, dim=n.args[1] if len(n.args) > 1 else 0,
+                              strided_reads=T.cat_reads_in_place(n)))
             elif priced is not None:
                 pool = n.target in (aten.max_pool2d.default, aten.avg_pool2d.default)
                 kernel = tuple(T.pool_args(n.target, n.args).kernel) if pool and len(n.args) > 1 else ()
