@@ -579,3 +579,28 @@ def test_other_ops_are_priced_for_the_prediction_but_never_decide():
     assert pb > 3 * ps
     # A matmul is priced by its FLOPs.
     assert cm.other_cost(0, 0, torch.float32, flops=2e9) > 10 * cm.other_cost(0, 0, torch.float32, flops=2e7)
+
+
+def test_an_elementwise_chain_is_priced_as_the_one_kernel_it_becomes():
+    """Fusion (after planning) makes mul -> add -> relu one pass: priced as one
+    read and one write, not three of each; vector math (SiLU) costs more than
+    a plain op over the same bytes; a value read twice is not fused."""
+    cm = default_cost_model()
+
+    def other(ops, reread=False):
+        g = Graph()
+        v = x = g.input("x", (1, 64, 32, 32))
+        for op in ops:
+            v = g.pointwise(v, op=op)
+        g.output(v)
+        if reread:
+            g.output(g.pointwise(g.nodes[v].inputs[0], op="relu"))
+        return materialize(g, {}, cm).other_cost
+
+    one, chain = other(["relu"]), other(["mul", "add", "relu"])
+    assert chain == pytest.approx(one), "three fused ops: one pass"
+    from cpu_layout.plan import cost
+
+    exp = 64 * 32 * 32 * cost._VECTOR_MATH_NS / 1e3 / torch.get_num_threads()
+    assert other(["silu"]) == pytest.approx(one + exp), "the exp, not only the bytes"
+    assert other(["mul", "add", "relu"], reread=True) > 1.5 * one, "the add's input is read twice: not fused"

@@ -107,6 +107,11 @@ _MATMUL_GFLOPS = 60.0
 # conversion's (a transposition). densenet121's BN-ReLU kernels and concats ran at
 # 0.4x of what the copy rate predicts (Sapphire Rapids, fp32, 1 thread).
 _STREAM_VS_COPY = 0.4
+# ns per element of an op that calls vector math, per thread: libmvec's expf over
+# 144x56x56 floats took 146 us (0.32 ns/element, EPYC Zen 4, 1 thread), and
+# efficientnet_b0's SiLU passes ran at 0.3 ns/element beyond their memory traffic
+# (Sapphire Rapids, 1 thread).
+_VECTOR_MATH_NS = 0.3
 
 # ns per (output element x window element) of pooling, (NCHW: ATen, NHWC: ours).
 _POOL_NS = {"max": (3.2, 0.12), "avg": (1.0, 0.12)}
@@ -160,15 +165,20 @@ class CostModel:
         return (work * per[0], work * per[1])
 
     # ---- everything else: priced for the prediction, the same in every layout ----
-    def other_cost(self, in_bytes: int, out_bytes: int, dtype: torch.dtype, flops: float = 0.0) -> float:
+    def other_cost(self, in_bytes: int, out_bytes: int, dtype: torch.dtype, flops: float = 0.0,
+                   call: bool = True, math_elements: int = 0) -> float:
         """µs of a generated kernel, reduction, concat or ATen op, modelled: the bytes it
         reads and writes at a streaming rate derived from the copy rate, or for a
-        matmul its FLOPs at _MATMUL_GFLOPS per thread, plus a fixed per-call cost.
+        matmul its FLOPs at _MATMUL_GFLOPS per thread, plus a fixed per-call cost
+        (`call`: not for an op fused into the next one's kernel), and for an op
+        that calls vector math (exp, tanh, erf) _VECTOR_MATH_NS per element.
         Layout-independent, so it never changes the plan's choice; it makes the plan's
         predicted forward time comparable with the measured one."""
+        fixed = _CALL_US if call else 0.0
         if flops:
-            return _CALL_US + flops / (_MATMUL_GFLOPS * 1e3 * max(1, torch.get_num_threads()))
-        return _CALL_US + _STREAM_VS_COPY * self.copy_cost((in_bytes + out_bytes) // 2, dtype)
+            return fixed + flops / (_MATMUL_GFLOPS * 1e3 * max(1, torch.get_num_threads()))
+        math = math_elements * _VECTOR_MATH_NS / (1e3 * max(1, torch.get_num_threads()))
+        return fixed + math + _STREAM_VS_COPY * self.copy_cost((in_bytes + out_bytes) // 2, dtype)
 
     # ---- copies ---------------------------------------------------------------
     def copy_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:

@@ -5,7 +5,10 @@ can rank the other way round (resnext50's 1x1 and grouped convs: the table
 said NCHW, this Xeon runs them faster in NHWC). So at compile time each conv
 shape the plan prices is run a few times in each layout on cpu_layout's oneDNN
 path, with its fused post-ops (a residual in the output's layout), in
-interleaved rounds, and the fastest round of each is its cost: on a shared
+interleaved rounds, each timing a candidate's second call in a row (as in the
+graph its memory is warm: the first call after another candidate ran 1.3-2x
+slow on mobilenet_v3's convs, and its plan predicted 1.49x the measured
+forward, 0.93x timed this way; Sapphire Rapids, 1 thread), and the fastest round of each is its cost: on a shared
 machine contention only ever adds time, and medians of five rounds taken while
 another process held the second core came out 4-10x high (resnet50's stem at
 batch 8, 2 threads: ours NHWC 42.7 ms "measured", 10 ms in fact), a choice the
@@ -28,7 +31,7 @@ are not timed on torch's oneDNN: of 706 dense shapes timed on both (torchvision'
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
 compile of resnet50 or densenet121 spent. Results are cached on disk per
-oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv7-<isa>-<threads>t.json`,
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv8-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (1-D/3-D convs, sizes with
@@ -86,7 +89,7 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv7-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv8-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
         if self._disk is None:
@@ -250,6 +253,7 @@ def _measure_real(conv, rounds):
             run()  # primitive creation, weight reorder
         for _ in range(rounds):
             for k, run in runs.items():
+                run()  # as in the graph: its memory warm from the call before
                 t0 = time.perf_counter()
                 run()
                 times[k].append((time.perf_counter() - t0) * 1e6)

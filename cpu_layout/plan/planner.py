@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Tuple, Union
 from cpu_layout import config
 from cpu_layout.layout import (
     CHANNELS_LAST, CONTIGUOUS, LABELS, FixedLayout, FlexibleLayout, contiguous_strides,
-    is_dense_in_order, is_in_order, matching_labels, nbytes_hint, orders_agree, require_order, same_sizes,
-    eager_memory_format, stride_order, strides_for_order, view_strides,
+    is_dense_in_order, is_in_order, matching_labels, nbytes_hint, numel_hint, orders_agree, require_order,
+    same_sizes, eager_memory_format, stride_order, strides_for_order, view_strides,
 )
 from cpu_layout.plan.cost import ConvCost, CostModel
 from cpu_layout.plan.measure import default_cost_model
@@ -355,16 +355,40 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
 _OTHER_KINDS = ("pointwise", "reduction", "concat", "batchnorm", "fallback", "linear")
 
 
+def _fuses_into_its_user(graph: Graph, node: Node) -> bool:
+    """Whether element-wise fusion (fuse.py, after planning) makes `node` part of
+    its user's kernel: a pointwise node whose only user is a pointwise node of
+    its size. Its result then never goes through memory."""
+    users = graph.consumers(node.name)
+    return (node.kind == "pointwise" and len(users) == 1 and graph[users[0]].kind == "pointwise"
+            and tuple(graph[users[0]].size) == tuple(node.size))
+
+
 def _other_cost(graph: Graph, cm: CostModel) -> float:
-    """Modelled µs of every non-constant node the plan does not otherwise price."""
+    """Modelled µs of every non-constant node the plan does not otherwise price;
+    an element-wise chain as the one kernel it becomes (densenet121's BN-ReLU,
+    three nodes, is one pass), vector math by its elements (efficientnet_b0's
+    SiLU passes wait on the exp, not on memory)."""
     total = 0.0
     for node in graph:
         if node.kind not in _OTHER_KINDS or node.constant:
             continue
-        ins = sum(nbytes_hint(graph[i].size, graph[i].dtype) for i in node.inputs)
-        total += cm.other_cost(ins, nbytes_hint(node.size, node.dtype), node.dtype,
-                               getattr(node, "flops", 0.0))
+        fused = _fuses_into_its_user(graph, node)
+        ins = sum(nbytes_hint(graph[i].size, graph[i].dtype) for i in node.inputs
+                  if not _fuses_into_its_user(graph, graph[i]))
+        total += cm.other_cost(ins, 0 if fused else nbytes_hint(node.size, node.dtype), node.dtype,
+                               getattr(node, "flops", 0.0), call=not fused,
+                               math_elements=numel_hint(node.size) if _calls_vector_math(node) else 0)
     return total
+
+
+def _calls_vector_math(node: Node) -> bool:
+    """An element-wise op whose kernel calls vector math (exp, tanh, erf: SiLU, GELU,
+    sigmoid), which bounds its time by arithmetic rather than memory."""
+    from cpu_layout.codegen.expr import OPS
+
+    spec = OPS.get(getattr(node, "op", None)) if node.kind == "pointwise" else None
+    return bool(spec is not None and spec.vector_math)
 
 
 def evaluate(graph: Graph, assignment: Dict[str, str], cost_model: Optional[CostModel] = None) -> float:
