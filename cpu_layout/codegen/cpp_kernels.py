@@ -929,8 +929,17 @@ def preamble() -> str:
 
 
 def kernel_flags() -> tuple:
-    """Compiler flags of kernel libraries: the build's, plus libmvec when kernels use it."""
-    return build.CXXFLAGS + _simd_math()[1]
+    """Compiler flags of kernel libraries: the build's, 512-bit vectors where the
+    machine has them, and libmvec when kernels use it. GCC's -march=native
+    vectorises with 256-bit vectors on Intel's AVX-512 parts (its tuning's
+    preference), half the width of every generated loop and of libmvec's calls:
+    a bf16 BN-ReLU over 256x56x56 channels-last took 174 us, 132 us with 512-bit
+    vectors; efficientnet_b0 AMP 8.89 -> 7.45 ms, fp32 12.06 -> 11.17 ms,
+    densenet121 AMP 12.5 -> 11.7 ms (Sapphire Rapids, batch 1, 1 thread,
+    interleaved). The flag changes which libmvec variant computes exp: last-ulp
+    differences in fp32, none seen in bf16."""
+    wide = ("-mprefer-vector-width=512",) if build.native_isa("avx512f") else ()
+    return build.CXXFLAGS + wide + _simd_math()[1]
 
 
 class _Emitter:
