@@ -589,7 +589,7 @@ def test_an_elementwise_chain_is_priced_as_the_one_kernel_it_becomes():
 
     def other(ops, reread=False):
         g = Graph()
-        v = x = g.input("x", (1, 64, 32, 32))
+        v = g.input("x", (1, 64, 32, 32))
         for op in ops:
             v = g.pointwise(v, op=op)
         g.output(v)
