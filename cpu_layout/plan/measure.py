@@ -8,9 +8,10 @@ path, with its fused post-ops (a residual in the output's layout), in
 interleaved rounds, each timing a candidate's second call in a row (as in the
 graph its memory is warm: the first call after another candidate ran 1.3-2x
 slow on mobilenet_v3's convs, and its plan predicted 1.49x the measured
-forward, 0.93x timed this way; Sapphire Rapids, 1 thread), and the fastest round of each is its cost: on a shared
-machine contention only ever adds time, and medians of five rounds taken while
-another process held the second core came out 4-10x high (resnet50's stem at
+forward, 0.93x timed this way; Sapphire Rapids, 1 thread), and the fastest
+round of each is its cost: on a shared machine contention only ever adds
+time, and medians of five rounds taken while another process held the second
+core came out 4-10x high (resnet50's stem at
 batch 8, 2 threads: ours NHWC 42.7 ms "measured", 10 ms in fact), a choice the
 cache then kept. Post-ops are part of the problem: a GEMM kernel applies them in
 a separate pass, and measured without them efficientnet_b0's convs ran 1.37x
