@@ -106,20 +106,20 @@ def slice_range(n: ir.Aten):
     return dim % x.rank, start or 0, end
 
 
-def cat_reads_in_place(n: ir.Aten) -> bool:
-    """Whether this cat reads its parts where they are, in any order: a segment's
-    cat (parts of the result's rank and dtype: no promotion, no skipped empty 1-D
-    parts) copies a part dense in the result's order by rows and any other part
+def cat_reads_in_place(n: ir.Node) -> bool:
+    """Whether `n` is a cat that reads its parts where they are, in any order: a
+    segment's cat (parts of the result's rank and dtype: no promotion, no skipped
+    empty 1-D parts) copies a part dense in the result's order by rows and any other part
     through ATen's copy_ into its slice, one pass either way, so converting the
     part first would copy it twice. The planner prices the read as that copy."""
-    return (_cat_in_cpp(n) and n.out.rank > 0
+    return (isinstance(n, ir.Aten) and n.target is aten.cat.default and _cat_in_cpp(n) and n.out.rank > 0
             and all(b.rank == n.out.rank and b.dtype == n.out.dtype for b in n.args[0]))
 
 
-def own_cat(n: ir.Aten) -> bool:
+def own_cat(n: ir.Node) -> bool:
     """Whether csrc's cat_into runs this cat: one that reads its parts in place,
     its result in a named order (otherwise libtorch's cat through the C shim)."""
-    return n.out.layout in L.LABELS and cat_reads_in_place(n)
+    return cat_reads_in_place(n) and n.out.layout in L.LABELS
 
 
 def clone_order(n: ir.Aten) -> Optional[str]:

@@ -35,7 +35,7 @@ def required(node: ir.Node, b: ir.Buffer):
         return b.eager_want()
     if node.rule in (ir.VIEW, ir.SLICE):
         return None  # a view reads what it is given; its own layout follows (schedule)
-    if isinstance(node, ir.Aten) and node.target is torch.ops.aten.cat.default and T.cat_reads_in_place(node):
+    if T.cat_reads_in_place(node):
         return None  # its parts in any order (the planner prices the read: plan/ir_plan.py)
     if node.rule == ir.DENSE:
         return L.CONTIGUOUS if any(d is b for d in node.dense_inputs()) else None

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-import torch
-
 from cpu_layout import config, ir, ops
 from cpu_layout import layout as L
 from cpu_layout import op_table as T
@@ -156,7 +154,7 @@ def bind(g: ir.Graph, extra_kernels=()):
             runners[n] = runtime.AtenPointwise(n.aten[0], n.out.layout, n.out.dtype)
         elif isinstance(n, ir.Aten) and n.rule == ir.VIEW:
             runners[n] = runtime.ViewCall(n.target, n.out.layout)
-        elif isinstance(n, ir.Aten) and n.target is torch.ops.aten.cat.default and T.own_cat(n):
+        elif T.own_cat(n):
             runners[n] = runtime.CatCall(n.out.layout)
         elif isinstance(n, ir.Aten):
             runners[n] = n.target
