@@ -446,7 +446,11 @@ def _kernel_in_place(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_kernel_writes_over_a_dying_input(dtype, compiled_graphs):
+def test_a_kernel_writes_over_a_dying_input(dtype, compiled_graphs, monkeypatch):
+    # Which kernels exist depends on the plan (a mul and an add in two layouts are
+    # two kernels); convs priced from the table, not timed, give the same plan on
+    # every run, where a noisy timing kept in the cache split the last kernel.
+    monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE", "0")
     seg = _run_on_pooled_storage(KernelsInPlace(), dtype, compiled_graphs)
     in_place = [_kernel_in_place(ops) for name, ops in seg.program.instructions() if name == "KERNEL"]
     assert sum(r >= 0 for r in in_place) == 2, ("the two silus after convs", seg.program.listing())
