@@ -14,10 +14,23 @@ default policy):
     OMP_WAIT_POLICY=PASSIVE  1.6x           1.8x          2.0x      5-25%
     (OpenVINO, its own)      1.8x           1.9x          2.1x
 
+Re-measured with the workers pinned (below) on a Sapphire Rapids-class Xeon
+under KVM (2 cores, batch 8, 2 threads, compile_exported; ms idle, loaded /
+idle), where waking a sleeping worker costs ~90 us (a tiny conv took 100 us
+after a 10 us gap, 9 us with the worker still spinning):
+
+    GOMP_SPINCOUNT   mobilenet_v3    shufflenet_v2   resnet50
+    1000             25.4 / 1.26x    17.2 / 1.19x    210 / 1.15x
+    10000            22.1 / 1.58x    13.6 / 1.26x    206 / 1.12x
+    30000            23.1 / 1.17x    14.7 / 7.4x     (collapsed once)
+
+(eager ATen 114 -> 72 ms idle for mobilenet_v3 at 10000.) 10000 is the
+default: most of the idle gain, loaded latency within OpenVINO's (1.6-1.8x).
+
 libgomp reads these variables once, when it starts, so they cannot be changed
 from inside a process that has imported torch. The project's entry points
 (scripts/omp_env.sh, sourced by env.sh and single_run.sh) set
-GOMP_SPINCOUNT=1000 unless the user set a policy; the backend warns once per
+GOMP_SPINCOUNT=10000 unless the user set a policy; the backend warns once per
 process when it finds long spinning on more threads than there are idle cores.
 
 Where the threads run matters as much: pin_workers() pins the OpenMP workers
@@ -111,7 +124,7 @@ def check_wait_policy() -> Optional[str]:
     msg = (f"cpu_layout: {threads} OpenMP threads with spinning barriers, but other processes keep "
            f"{others:.1f} of this machine's {os.cpu_count()} cores busy; spinning threads steal the "
            f"time slices the threads they wait for need (7x slower seen). Start the process with "
-           f"GOMP_SPINCOUNT=1000 or OMP_WAIT_POLICY=PASSIVE (scripts/omp_env.sh sets the first), "
+           f"GOMP_SPINCOUNT=10000 or OMP_WAIT_POLICY=PASSIVE (scripts/omp_env.sh sets the first), "
            f"or use fewer threads (torch.set_num_threads).")
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return msg
