@@ -14,7 +14,7 @@ import functools
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -469,6 +469,7 @@ class SegmentCall:
     runtime runs its program, results come back as tensors."""
 
     calls = 0  # foreign calls made by all segments (tests count them)
+    live = weakref.WeakSet()  # every bound segment (per-node profiles)
 
     def __init__(self, name: str, n_outputs: int):
         self.name = name
@@ -484,13 +485,24 @@ class SegmentCall:
         addresses = [int(k.library.ffi.cast("uintptr_t", k.library.ffi.addressof(k.library.lib, k.kernel.name)))
                      for k in kernels]
         rt, handle = program.load(addresses)
+        self._handle = handle
+        SegmentCall.live.add(self)
         self.fn = functools.partial(rt.lib.cl_program_run, handle)
         self.ffi = rt.ffi
+        self._rt_lib = rt.lib
         self.copies = rt.lib.cl_layout_copies  # the runtime's layout-copy counter
         self._lock = threading.Lock()
         self._held = self._buffers()
         # The program keeps its buffers between calls (clw::Pool); they go when this call does.
         weakref.finalize(self, rt.lib.cl_program_free, handle)
+
+    def take_node_profile(self) -> List[tuple]:
+        """(node, seconds) for each node of the segment since the last take, with
+        profiling on (codegen.program.set_profiling); zeroes the counters."""
+        n = len(self.program.code)
+        ns = self.ffi.new("int64_t[]", max(n, 1))
+        self._rt_lib.cl_program_take_profile(self._handle, ns, n)
+        return self.program.node_profile(list(ns)[:n])
 
     def _buffers(self):
         """The output and error arrays of one call: allocated once and reused by

@@ -43,6 +43,8 @@ struct Program {
   std::vector<kernel_fn> kernels;
   int64_t n_regs = 0, n_syms = 0, n_in = 0;
   clw::PoolSlot pool;
+  // Profiling on: wall time per instruction, at the index of its first word.
+  std::unique_ptr<std::atomic<int64_t>[]> pc_ns;
   ~Program() { delete pool.p.exchange(nullptr); }
 };
 
@@ -358,7 +360,7 @@ void Run::run(uintptr_t* out) {
   const bool prof = g_profile.load(std::memory_order_relaxed) != 0;
   for (int64_t pc = 0; pc < ncode;) {
     const int64_t op = code[pc], n = code[pc + 1];
-    const int64_t t0 = prof ? now_ns() : 0;
+    const int64_t t0 = prof ? now_ns() : 0, pc0 = pc;
     a_ = code + pc + 2;
     const int64_t* end = a_ + n;
     pc += 2 + n;
@@ -623,7 +625,9 @@ void Run::run(uintptr_t* out) {
     }
     if (a_ != end) fail("segment program: instruction " + std::to_string(op) + " has the wrong operand count");
     if (prof) {  // op is known here: an unknown one failed above
-      g_op_ns[op].fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      const int64_t dt = now_ns() - t0;
+      g_op_ns[op].fetch_add(dt, std::memory_order_relaxed);
+      p_.pc_ns[(size_t)pc0].fetch_add(dt, std::memory_order_relaxed);
       g_op_count[op].fetch_add(1, std::memory_order_relaxed);
     }
   }
@@ -646,6 +650,7 @@ void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, in
     p->n_regs = n_regs;
     p->n_syms = n_syms;
     p->n_in = n_in;
+    p->pc_ns.reset(new std::atomic<int64_t>[(size_t)std::max<int64_t>(ncode, 1)]());
     // Structure only (opcodes known, operands inside the program); each
     // instruction checks its own operand count when it runs.
     for (int64_t pc = 0; pc < ncode;) {
@@ -694,6 +699,13 @@ int64_t cl_profile_take(int64_t* ns, int64_t* count, int64_t n) {
     count[i] = clvm::g_op_count[src].exchange(0);
   }
   return slots;
+}
+
+// Copies one program's time per instruction word (ns[pc]; 0 except at an
+// instruction's first word) into ns[0..n) and zeroes it.
+void cl_program_take_profile(void* prog, int64_t* ns, int64_t n) {
+  clvm::Program& p = *(clvm::Program*)prog;
+  for (int64_t i = 0; i < n && i < (int64_t)p.code.size(); ++i) ns[i] = p.pc_ns[(size_t)i].exchange(0);
 }
 
 void cl_program_free(void* prog) { delete (clvm::Program*)prog; }

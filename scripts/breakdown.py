@@ -87,6 +87,9 @@ def main(argv=None):
     ap.add_argument("--wrapper", default="python", choices=("python", "cpp"))
     ap.add_argument("--entry", default="compile", choices=("compile", "exported"),
                     help="torch.compile, or cpu_layout.compile_exported (no Dynamo per call)")
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="also the N slowest nodes of the C++ segments (cpp wrapper)")
+    ap.add_argument("--in-order", action="store_true", help="list --nodes in program order")
     ap.add_argument("--openvino", action="store_true",
                     help="also OpenVINO's time per layer type and kernel, from its own counters")
     args = ap.parse_args(argv)
@@ -101,6 +104,7 @@ def main(argv=None):
         os.environ.pop("CPU_LAYOUT_PROFILE", None)
     else:
         os.environ["CPU_LAYOUT_PROFILE"] = "1"
+    nodes = []
 
     for name in args.models.split(","):
         model, x = zoo.model_and_input(args.suite, name, args.batch, args.size)
@@ -129,6 +133,8 @@ def main(argv=None):
                 if cpp:
                     program.set_profiling(True)
                     program.take_profile()
+                    for seg in list(runtime.SegmentCall.live):
+                        seg.take_node_profile()
                 c0 = runtime.COPIES["count"]
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
@@ -140,6 +146,7 @@ def main(argv=None):
                 program.set_profiling(False)
         if cpp:
             per = _segment_kinds(program.take_profile(), args.iters)
+            nodes = [nd for seg in list(runtime.SegmentCall.live) for nd in seg.take_node_profile()]
         copies = (runtime.COPIES["count"] - c0) / args.iters
         if not cpp:
             per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
@@ -162,6 +169,14 @@ def main(argv=None):
         print(f"  plan's prediction of the whole forward (+ kernels, reductions, concats, ATen ops "
               f"modelled) {pred:.3f} ms; measured {wall:.3f} ms ({pred / wall:.2f}x), "
               f"{wall - rest:.3f} ms without the {glue} ({pred / (wall - rest):.2f}x)")
+        if cpp and args.nodes:
+            nodes = [nd for nd in nodes if nd[1] > 0]
+            if not args.in_order:
+                nodes.sort(key=lambda nd: -nd[1])
+            print(f"  the {min(args.nodes, len(nodes))} slowest of {len(nodes)} segment nodes "
+                  f"(with the copies each reads through):")
+            for what, sec in nodes[:args.nodes]:
+                print(f"    {sec / args.iters * 1e3:8.3f} ms  {what}")
         if args.openvino:
             _print_openvino(model, x, args)
         sys.stdout.flush()

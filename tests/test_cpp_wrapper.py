@@ -668,7 +668,11 @@ def test_the_runtime_times_each_instruction_it_runs_only_while_asked():
     fn(x)
     program.take_profile()
     fn(x)
+    segs = list(runtime.SegmentCall.live)
+    for seg in segs:
+        seg.take_node_profile()
     assert program.take_profile() == {}, "profiling is off by default"
+    assert not any(t for seg in segs for _, t in seg.take_node_profile())
     program.set_profiling(True)
     try:
         for _ in range(3):
@@ -680,6 +684,16 @@ def test_the_runtime_times_each_instruction_it_runs_only_while_asked():
     assert all(t >= 0 for t, _ in prof.values())
     assert prof["run"][0] >= sum(t for op, (t, _) in prof.items() if op != "run")
     assert program.take_profile() == {}, "taking the counters zeroes them"
+    # Per node: each of the segment's three convs named, with its instructions' time.
+    ran = [p for p in (seg.take_node_profile() for seg in segs) if any(t for _, t in p)]
+    assert len(ran) == 1, "one segment ran"
+    nodes = ran[0]
+    convs = [(what, t) for what, t in nodes if what.startswith("Conv ")]
+    assert len(convs) == 3 and all(t > 0 for _, t in convs), nodes
+    assert all("[1, 16, 8, 8]" in what and "3x3" in what for what, _ in convs), convs
+    assert sum(t for _, t in nodes) <= prof["run"][0]
+    assert sum(t for _, t in convs) >= prof["CONV"][0]
+    assert not any(t for seg in segs for _, t in seg.take_node_profile()), "taking zeroes them"
 
 
 def test_op_table_entries_are_whole():

@@ -84,6 +84,7 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
 
     reads, last_conv = conversions(seg.members, read_conversion)
     for m in seg.members:
+        prog.note(_describe(m))
         keys = list(reads.get(m, {}).values())
         em.convert_reads(keys)
         _encode_node(em, m, slots)
@@ -96,6 +97,21 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
     for j, b in enumerate(outs):
         prog.op("OUT", j, em.reg[b])
     return prog
+
+
+def _describe(m: ir.Node) -> str:
+    """A member as profiles name it: kind, name, output, and what it computes."""
+    out = m.out
+    what = f"{type(m).__name__} {m.name} {list(out.size)} {out.layout} {str(out.dtype)[6:]}"
+    if isinstance(m, ir.Conv):
+        k = "x".join(str(v) for v in m.weight.size[2:])
+        posts = [p if isinstance(p, str) else p[0] for p in m.post_ops]
+        what += f" {k} groups={m.groups} stride={list(m.stride)} post_ops={posts}"
+    elif isinstance(m, ir.Kernel):
+        what += f" {m.expr}"
+    elif isinstance(m, ir.Reduction):
+        what += f" {m.kind}{list(m.dims)}"
+    return what
 
 
 def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:

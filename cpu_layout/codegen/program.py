@@ -44,6 +44,7 @@ void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, in
 int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const int64_t* scalars,
                    uintptr_t* out, char* err, int errlen);
 void cl_program_free(void* prog);
+void cl_program_take_profile(void* prog, int64_t* ns, int64_t n);
 long long cl_layout_copies(void);
 void cl_profile(int on);
 int64_t cl_profile_take(int64_t* ns, int64_t* count, int64_t n);
@@ -108,6 +109,7 @@ class Program:
         self.reals: List[float] = []
         self.names: List[str] = []
         self.kernels: List[object] = []  # compiled kernel specs, in the order instructions name them
+        self.notes: List[tuple] = []  # (first word, what the instructions from there on do)
         self.n_regs = 0
         self.n_syms = 0
         self.n_in = 0
@@ -120,6 +122,17 @@ class Program:
             else:
                 flat.append(int(x))
         self.code += [OP[name], len(flat), *flat]
+
+    def note(self, what: str) -> None:
+        """Names the instructions that follow (per-node profiles)."""
+        self.notes.append((len(self.code), what))
+
+    def node_profile(self, ns: List[int]) -> List[tuple]:
+        """(note, seconds) per note, from time per instruction word (`ns`, as
+        cl_program_take_profile gives it); words before the first note are "setup"."""
+        starts = [(0, "setup")] + self.notes if not self.notes or self.notes[0][0] else self.notes
+        bounds = [s for s, _ in starts[1:]] + [len(self.code)]
+        return [(what, sum(ns[s:e]) * 1e-9) for (s, what), e in zip(starts, bounds)]
 
     def real(self, v: float) -> int:
         self.reals.append(float(v))
