@@ -60,7 +60,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
     g = lower.lower(gm, param_indices)
     debug = bool(options.get("debug", config.debug()))
     cpp = _wants_cpp_wrapper(options)
-    fuse.fuse_conv_epilogues(g, fuse.UNFUSED_ACTIVATIONS if cpp else ())
+    fuse.fuse_conv_epilogues(g, fuse.split_in_segments if cpp else None)
     if cpp:
         from cpu_layout.codegen import cpp_wrapper, program
 

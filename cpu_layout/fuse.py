@@ -1,7 +1,7 @@
 """Fusion: fewer passes over memory.
 
 Conv epilogues (before planning): a conv whose only user is an activation
-(in C++ segments not one in UNFUSED_ACTIVATIONS) or a same-size residual add
+(in C++ segments not one `split_in_segments` keeps apart) or a same-size residual add
 takes that op as a oneDNN post-op (up to the extension's limit); the conv moves to the
 add's position in the schedule, where its residual already exists.
 
@@ -11,6 +11,11 @@ size joins that user's group; each group becomes one `ir.Kernel`, a single
 generated loop that keeps intermediates in registers.
 """
 from __future__ import annotations
+
+import functools
+import os
+
+import torch
 
 from cpu_layout import ir
 from cpu_layout import layout as L
@@ -29,24 +34,75 @@ def _value_users(b: ir.Buffer):
 
 
 # Activations a conv in a C++ segment does not take as a post-op although
-# oneDNN could: its swish post-op costs more than the generated kernel's pass
-# over the conv's output, which in a segment writes in place or into pooled
-# storage. efficientnet_b0 with every silu fused vs every silu in a kernel,
-# interleaved in one process (EPYC Zen 4): batch 1, 1 thread 15.38 vs 14.82 ms
-# (fp32), 11.67 vs 11.28 ms (AMP); batch 8, 2 threads 68.6 vs 63.6 ms (fp32),
-# 41.5 vs 41.1 ms (AMP), before kernels ran in place. Conv by conv in isolation
-# the two came out even on most shapes and the split cheaper on depthwise ones
+# oneDNN could (`split_in_segments` says which): its swish post-op costs more
+# than the generated kernel's pass over the conv's output, which in a segment
+# writes in place or into pooled storage, while that output is in cache.
+# efficientnet_b0 with every silu fused vs every silu in a kernel, interleaved
+# in one process (EPYC Zen 4): batch 1, 1 thread 15.38 vs 14.82 ms (fp32),
+# 11.67 vs 11.28 ms (AMP); batch 8, 2 threads 68.6 vs 63.6 ms (fp32), 41.5 vs
+# 41.1 ms (AMP), before kernels ran in place. Conv by conv in isolation the two
+# came out even on most shapes and the split cheaper on depthwise ones
 # (144x56x56, 1 thread: 129 us bare, 373 us with swish, the pass 173 us), so a
-# per-shape timing would not see the in-graph gain. The Python wrapper allocates
-# every kernel output, and there the split lost at batch 8 (74.8 fused vs
-# 85.6 ms; even at batch 1): it keeps them fused.
+# per-shape timing would not see the in-graph gain. The Python wrapper
+# allocates every kernel output, and there the split lost at batch 8 (74.8
+# fused vs 85.6 ms; even at batch 1): it keeps them fused.
 UNFUSED_ACTIVATIONS = ("silu",)
 
+# ... except an fp32 output larger per thread than this many L2 caches: the
+# pass then reads and writes it from memory, and the conv's swish costs less.
+# Conv by conv in the graph (efficientnet_b0, Sapphire Rapids-class Xeon,
+# `breakdown.py --nodes`): the 1x1 conv to 8x96x112x112 (19 MB per thread)
+# 3.19 ms + a 3.79 ms pass split, 4.28 ms fused; at 6-7 MB per thread the two
+# were even, below it the split won (at batch 1, one thread, all but the
+# 4.8 MB conv; stride-2 depthwise convs lose 1.1 ms fused even at 4.8 MB per
+# thread). bf16 convs (AMX) pay more for the swish: at batch 8 the split won
+# on every conv. Whole model, interleaved (same machine): fp32 batch 8,
+# 2 threads every silu fused 51.4 ms, none 55.5 ms; batch 1, 1 thread 12.9
+# against 12.7 ms; AMP batch 8 34.6 against 31.8 ms. This rule at 4 L2s: batch
+# 8 52.1 / 51.5 ms (none 53.9 / 53.5, all 51.9 / 50.4, two runs), batch 1 the
+# same graph as none; at 1 or 2 L2s batch 1 lost 0.2-0.4 ms.
+SPLIT_MAX_L2_MULTIPLE = 4
 
-def _activation(node: ir.Pointwise, unfused=()):
-    """The cpu_layout.ops post-op for an activation node, or None (also for the
-    activations in `unfused`)."""
-    if node.op in unfused or node.op not in E.OPS or E.OPS[node.op].post_op is None:
+
+@functools.lru_cache(maxsize=1)
+def _l2_bytes() -> int:
+    """This machine's L2 cache per core (sysfs), 1 MiB when it does not say."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            d = os.path.join(base, entry)
+            with open(os.path.join(d, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(d, "type")) as f:
+                kind = f.read().strip()
+            if level == "2" and kind in ("Unified", "Data"):
+                with open(os.path.join(d, "size")) as f:
+                    text = f.read().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        pass
+    return 1 << 20
+
+
+def split_in_segments(conv: ir.Conv, act: ir.Pointwise) -> bool:
+    """Whether the activation `act` after `conv` runs as a kernel of its own in a
+    C++ segment rather than as the conv's post-op (UNFUSED_ACTIVATIONS, above)."""
+    if act.op not in UNFUSED_ACTIVATIONS:
+        return False
+    out = conv.out
+    if out.dtype != torch.float32:
+        return True
+    per_thread = L.numel_hint(out.size) * 4 / max(1, torch.get_num_threads())
+    return per_thread <= SPLIT_MAX_L2_MULTIPLE * _l2_bytes()
+
+
+def _activation(node: ir.Pointwise, conv: ir.Conv, split=None):
+    """The cpu_layout.ops post-op for an activation node after `conv`, or None
+    (also when `split(conv, node)` keeps it out of the conv)."""
+    if node.op not in E.OPS or E.OPS[node.op].post_op is None:
+        return None
+    if split is not None and split(conv, node):
         return None
     return E.OPS[node.op].post_op(node.params)
 
@@ -64,7 +120,7 @@ def _residual(node: ir.Pointwise, conv_out: ir.Buffer):
     return other
 
 
-def _activation_through_views(g: ir.Graph, conv: ir.Conv, unfused=()) -> bool:
+def _activation_through_views(g: ir.Graph, conv: ir.Conv, split=None) -> bool:
     """conv -> views -> activation (a linear run as a 1x1 conv, then reshaped
     before its GELU): the activation becomes a post-op and the views carry the
     activated values; an element-wise op commutes with any view."""
@@ -77,7 +133,7 @@ def _activation_through_views(g: ir.Graph, conv: ir.Conv, unfused=()) -> bool:
     if not chain or len(readers) != 1 or not isinstance(readers[0], ir.Pointwise):
         return False
     user = readers[0]
-    act = _activation(user, unfused) if len(user.inputs) == 1 else None
+    act = _activation(user, conv, split) if len(user.inputs) == 1 else None
     if act is None or user.out.dtype != b.dtype or not L.same_sizes(user.out.size, b.size):
         return False
     conv.post_ops.append(act)
@@ -87,12 +143,13 @@ def _activation_through_views(g: ir.Graph, conv: ir.Conv, unfused=()) -> bool:
     return True
 
 
-def fuse_conv_epilogues(g: ir.Graph, unfused=()) -> int:
-    """Returns how many nodes were folded into convolutions; activations in
-    `unfused` (UNFUSED_ACTIVATIONS for C++ segments) are left to kernels."""
+def fuse_conv_epilogues(g: ir.Graph, split=None) -> int:
+    """Returns how many nodes were folded into convolutions; an activation for
+    which `split(conv, node)` holds (`split_in_segments` for C++ segments) is
+    left to a kernel."""
     fused = 0
     for conv in g.convs():
-        while len(conv.post_ops) < MAX_POST_OPS and _activation_through_views(g, conv, unfused):
+        while len(conv.post_ops) < MAX_POST_OPS and _activation_through_views(g, conv, split):
             fused += 1
         while len(conv.post_ops) < MAX_POST_OPS:
             out = conv.out
@@ -102,7 +159,7 @@ def fuse_conv_epilogues(g: ir.Graph, unfused=()) -> int:
             user = readers[0]
             if user.out.dtype != out.dtype or not L.same_sizes(user.out.size, out.size):
                 break
-            act = _activation(user, unfused) if len(user.inputs) == 1 else None
+            act = _activation(user, conv, split) if len(user.inputs) == 1 else None
             # (a residual moves the conv to the add: a size query between them would
             # read the conv's output before it exists)
             residual = None if act is not None or len(out.users) != 1 else _residual(user, out)
