@@ -55,8 +55,8 @@ UNFUSED_ACTIVATIONS = ("silu",)
 # 3.19 ms + a 3.79 ms pass split, 4.28 ms fused; 1x1 and depthwise convs to
 # 8x144x56x56 (7.2 MB) 2.48 / 2.85 ms split, 1.87 / 2.57 fused; below 4 MB per
 # thread the split won (at batch 1, one thread, all but the 4.8 MB conv), and
-# a stride-2 depthwise conv to 8x96x56x56 lost 1.1 ms fused. bf16 convs (AMX) pay more for the swish: at batch 8 the split won
-# on every conv. Whole model, interleaved (same machine): fp32 batch 8,
+# a stride-2 depthwise conv to 8x96x56x56 lost 1.1 ms fused. bf16 convs (AMX)
+# pay more for the swish: at batch 8 the split won on every conv. Whole model, interleaved (same machine): fp32 batch 8,
 # 2 threads every silu fused 51.4 ms, none 55.5 ms; batch 1, 1 thread 12.9
 # against 12.7 ms; AMP batch 8 34.6 against 31.8 ms. This rule at 4 L2s: batch
 # 8 52.1 / 51.5 ms (none 53.9 / 53.5, all 51.9 / 50.4, two runs), batch 1 the
