@@ -189,7 +189,7 @@ def test_silu_runs_in_a_kernel_in_segments_and_as_a_post_op_in_python(compiled_g
     keeps it fused. relu fuses in both."""
     from cpu_layout import fuse
 
-    if l2 == "tiny":  # 2x16x20x20 fp32 outputs, 25.6 kB: over 2 L2s of 256 B per thread up to 50 threads
+    if l2 == "tiny":  # 2x16x20x20 fp32 outputs, 25.6 kB: over 2 L2s of 256 B per thread below 50 threads
         monkeypatch.setattr(fuse, "_l2_bytes", lambda: 256)
     model = ConvSiluRelu().eval()
     x = torch.randn(2, 3, 20, 20)
