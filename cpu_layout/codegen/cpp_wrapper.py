@@ -102,7 +102,9 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
 def _describe(m: ir.Node) -> str:
     """A member as profiles name it: kind, name, output, and what it computes."""
     out = m.out
-    what = f"{type(m).__name__} {m.name} {list(out.size)} {out.layout} {str(out.dtype)[6:]}"
+    what = f"{type(m).__name__} {m.name}"
+    if out is not None and out.size is not None:  # (a split's pieces are the getitems' outputs)
+        what += f" {list(out.size)} {out.layout} {str(out.dtype)[6:]}"
     if isinstance(m, ir.Conv):
         k = "x".join(str(v) for v in m.weight.size[2:])
         posts = [p if isinstance(p, str) else p[0] for p in m.post_ops]
