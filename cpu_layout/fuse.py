@@ -94,7 +94,7 @@ def split_in_segments(conv: ir.Conv, act: ir.Pointwise) -> bool:
     out = conv.out
     if out.dtype != torch.float32:
         return True
-    per_thread = L.numel_hint(out.size) * 4 / max(1, torch.get_num_threads())
+    per_thread = L.nbytes_hint(out.size, out.dtype) / max(1, torch.get_num_threads())
     return per_thread <= SPLIT_MAX_L2_MULTIPLE * _l2_bytes()
 
 

@@ -370,12 +370,12 @@ def _other_cost(graph: Graph, cm: CostModel) -> float:
     three nodes, is one pass), vector math by its elements (efficientnet_b0's
     SiLU passes wait on the exp, not on memory)."""
     total = 0.0
+    fused_away = {node.name for node in graph if _fuses_into_its_user(graph, node)}
     for node in graph:
         if node.kind not in _OTHER_KINDS or node.constant:
             continue
-        fused = _fuses_into_its_user(graph, node)
-        ins = sum(nbytes_hint(graph[i].size, graph[i].dtype) for i in node.inputs
-                  if not _fuses_into_its_user(graph, graph[i]))
+        fused = node.name in fused_away
+        ins = sum(nbytes_hint(graph[i].size, graph[i].dtype) for i in node.inputs if i not in fused_away)
         total += cm.other_cost(ins, 0 if fused else nbytes_hint(node.size, node.dtype), node.dtype,
                                getattr(node, "flops", 0.0), call=not fused,
                                math_elements=numel_hint(node.size) if _calls_vector_math(node) else 0)
