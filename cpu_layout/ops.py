@@ -464,7 +464,7 @@ def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, 
     return prob, residuals
 
 
-def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0):
+def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0, out=None):
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("input and weight must be tensors")
     if bias is not None and not isinstance(bias, torch.Tensor):
@@ -509,7 +509,7 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
             kept.append(to_dense(r, prob.dst_cl))
         residuals = kept  # keeps converted copies alive through the call
         res_ptrs = ffi.new("uintptr_t[]", [r.data_ptr() for r in kept])
-    y = empty_dense(prob.out_size, x.dtype, prob.dst_cl)
+    y = empty_dense(prob.out_size, x.dtype, prob.dst_cl) if out is None else _checked_out(out, prob, x.dtype)
     if y.numel() == 0:  # an empty batch: oneDNN takes no zero-sized problem
         return y.squeeze(0) if unbatched else y
     rc = lib.cl_conv_forward(
@@ -524,6 +524,21 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
     )
     _native.check(rc)
     return y.squeeze(0) if unbatched else y
+
+
+def _checked_out(out, prob, dtype) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        raise TypeError("out must be a CPU tensor")
+    size = prob.out_size
+    order = [0, *range(2, len(size)), 1] if prob.dst_cl else list(range(len(size)))
+    want, step = [0] * len(size), 1
+    for d in reversed(order):  # the dense strides of that order, as empty_dense makes them
+        want[d], step = step, step * size[d]
+    want = tuple(want)
+    if tuple(out.shape) != size or out.dtype != dtype or out.stride() != want:
+        raise ValueError(f"out must be {size} {dtype} with strides {want}, got "
+                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    return out
 
 
 # ---- torch's bundled oneDNN: the other candidate for a channels-last conv -------------
@@ -599,7 +614,7 @@ def aten_conv2d(x, weight, bias, stride, padding, dilation, groups, attr: tuple)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None,
-           impl_rank=0):
+           impl_rank=0, out=None):
     """2-d forward convolution with optional fused post-ops.
 
     post_ops: applied in order to conv(x) + bias. Names: relu, leaky_relu
@@ -611,8 +626,11 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post
     impl_rank: 0 runs oneDNN's first suitable implementation; k the k-th after
     it, when there is one (else the first); WINOGRAD cpu_layout's Winograd
     F(2x2, 3x3) (`winograd_candidate` says when); `impl_name` tells which.
+    out: a batched tensor to write the result into, of the output's size and dtype
+    and dense in its layout (ValueError otherwise), as a graph's pooled buffers are:
+    no allocation per call.
     """
-    return _run(2, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank)
+    return _run(2, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank, out)
 
 
 def conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post_ops=(), out_layout=None):

@@ -30,6 +30,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from cpu_layout.plan.cost import DATA_DIR, cpu_isa  # noqa: E402
+from cpu_layout.plan.measure import copy_us_per_byte  # noqa: E402
 
 # (cin, cout, kernel, stride, groups, spatial): resnet/resnext/mobilenet/convnext/maml-like
 # classes plus tiny channel counts, where NHWC may not pay off.
@@ -143,18 +144,9 @@ def main():
             print(f"{e['dtype']:9s} cin={cin:5d} cout={cout:5d} k={k} s={s} g={g:4d} hw={hw:4d}  "
                   f"nchw={t[False]:10.1f}us nhwc={t[True]:10.1f}us  ratio={t[True] / t[False]:.2f}", flush=True)
 
-    # Copy cost: a layout conversion in each direction, per byte moved (one tensor's bytes).
-    copy = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        per_byte = []
-        for shape in ((1, 64, 56, 56), (1, 256, 14, 14), (1, 32, 112, 112), (1, 512, 7, 7)):
-            a = torch.randn(shape).to(dtype)
-            b = a.contiguous(memory_format=torch.channels_last)
-            nbytes = a.numel() * a.element_size()
-            to_cl, to_cf = median_pair_us(lambda: a.contiguous(memory_format=torch.channels_last),
-                                          lambda: b.contiguous(), 0.1)
-            per_byte += [to_cl / nbytes, to_cf / nbytes]
-        copy[str(dtype).replace("torch.", "")] = statistics.median(per_byte)
+    # Copy cost: a layout conversion in each direction, per byte moved (one tensor's bytes),
+    # measured as the planner measures it at compile time for other thread counts.
+    copy = {str(dtype).replace("torch.", ""): copy_us_per_byte(dtype) for dtype in (torch.float32, torch.bfloat16)}
 
     table = {
         "version": 1,

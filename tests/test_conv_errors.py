@@ -119,3 +119,23 @@ def test_empty_batch_is_not_an_error(out_layout):
     assert y.shape == ref.shape and y.dtype == ref.dtype
     if out_layout is None:
         assert y.stride() == ref.stride()
+
+
+@pytest.mark.parametrize("layout, fmt", [("nhwc", torch.channels_last), ("nchw", torch.contiguous_format)])
+def test_out_is_written_in_place_and_checked(layout, fmt):
+    x, w, b = torch.randn(2, 8, 9, 9), torch.randn(16, 8, 3, 3), torch.randn(16)
+    with torch.no_grad():
+        ref = ops.conv2d(x, w, b, padding=1, out_layout=layout, post_ops=["relu"])
+        out = torch.full((2, 16, 9, 9), float("nan")).contiguous(memory_format=fmt)
+        got = ops.conv2d(x, w, b, padding=1, out_layout=layout, post_ops=["relu"], out=out)
+        assert got is out and torch.equal(got, ref)
+        other = torch.contiguous_format if fmt is torch.channels_last else torch.channels_last
+        bad = [torch.empty(2, 16, 9, 9).contiguous(memory_format=other),  # the other layout
+               torch.empty(2, 16, 9, 8).contiguous(memory_format=fmt),   # another size
+               torch.empty(2, 16, 9, 9, dtype=torch.bfloat16).contiguous(memory_format=fmt),
+               torch.empty(2, 16, 9, 18).contiguous(memory_format=fmt)[..., ::2]]  # not dense
+        for o in bad:
+            with pytest.raises(ValueError, match="out must be"):
+                ops.conv2d(x, w, b, padding=1, out_layout=layout, out=o)
+        with pytest.raises(TypeError, match="out must be a CPU tensor"):
+            ops.conv2d(x, w, b, padding=1, out_layout=layout, out=[1.0])

@@ -129,3 +129,55 @@ def test_symbolic_sizes_are_measured_at_their_hints_without_guards(cache, monkey
     plan = made[0].cpu_layout_graph.plan
     assert all(d.cost.source.startswith("measured: ") for d in plan.convs.values()), plan.explain()
     torch._dynamo.reset()
+
+
+def test_copies_are_priced_at_the_thread_count_they_run_on(cache, monkeypatch):
+    """The shipped table's copy rate is one thread's: the planner measures its own for
+    the thread count it plans for, once per count (cached on disk per count)."""
+    calls = []
+
+    def rate(dtype):
+        calls.append(torch.get_num_threads())
+        return 0.001 / torch.get_num_threads()
+
+    monkeypatch.setattr(measure, "copy_us_per_byte", rate)
+    table = {"entries": [], "copy_us_per_byte": {"float32": 1.0}}
+    model = measure.MeasuredCostModel(table)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert model.copy_cost(1000) == pytest.approx(1.0)
+        torch.set_num_threads(2)
+        assert model.copy_cost(1000) == pytest.approx(0.5)
+        torch.set_num_threads(1)
+        assert model.copy_cost(2000) == pytest.approx(2.0)
+        assert calls == [1, 2], "measured once per thread count"
+        model.save()
+        files = sorted(p.name for p in (cache / "autotune").iterdir())
+        assert files == ["conv9-%s-1t.json" % measure.cpu_isa(), "conv9-%s-2t.json" % measure.cpu_isa()]
+        for name in files:
+            assert list(json.loads((cache / "autotune" / name).read_text())) == ["copy float32"]
+        monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE", "0")
+        assert model.copy_cost(1000) == pytest.approx(1000.0), "measuring off: the table's rate"
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_table_priced_convs_run_on_every_thread():
+    """A conv priced from the one-thread table takes 1/T of it on T threads; the
+    memo keeps thread counts apart."""
+    from cpu_layout.plan.cost import CostModel
+
+    entry = dict(dtype="float32", cin=32, cout=32, kernel=3, stride=1, groups=1, spatial=16, batch=1,
+                 nchw_us=100.0, nhwc_us=80.0)
+    model = CostModel({"entries": [entry], "threads": 1})
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = model.conv_cost(conv_graph()["c"])
+        torch.set_num_threads(2)
+        two = model.conv_cost(conv_graph()["c"])
+    finally:
+        torch.set_num_threads(prev)
+    assert one.source.startswith("table") and (one.nchw_us, one.nhwc_us) == pytest.approx((100.0, 80.0))
+    assert (two.nchw_us, two.nhwc_us) == pytest.approx((50.0, 40.0))

@@ -125,6 +125,7 @@ class CostModel:
         self.entries: List[dict] = list(table["entries"]) if table else []
         self._copy = dict(table.get("copy_us_per_byte", {})) if table else {}
         self._memo: Dict[tuple, ConvCost] = {}
+        self._table_threads = int(table.get("threads", 1)) if table else 1
         for e in self.entries:
             k, s = e["kernel"], e["stride"]
             o = (e["spatial"] + 2 * (k // 2) - k) // s + 1
@@ -200,7 +201,7 @@ class CostModel:
         # A weight that is a graph input has symbolic sizes under dynamic=True.
         cout, kernel = hint(conv.out_channels), tuple(hint(k) for k in conv.kernel)
         key = (conv.dtype, n, cin, cout, conv.groups, kernel, conv.stride,
-               conv.dilation, spatial_in, spatial_out)
+               conv.dilation, spatial_in, spatial_out, torch.get_num_threads())
         got = self._memo.get(key)
         if got is None:
             got = self._memo[key] = self._conv_cost(conv.dtype, n, cin, cout, conv.groups,
@@ -227,7 +228,8 @@ class CostModel:
                 if d < best_d:
                     best, best_d = e, d
         if best is not None and best_d <= MAX_DISTANCE:
-            r = flops / best["_flops"]
+            # The table's convs ran on its `threads` (one); a conv runs on all of ours.
+            r = flops / best["_flops"] * self._table_threads / max(1, torch.get_num_threads())
             src = (f"table: {best['dtype']} {best['cin']}->{best['cout']} k{best['kernel']} s{best['stride']} "
                    f"g{best['groups']} {best['spatial']}px (d={best_d:.2f})")
             return ConvCost(best["nchw_us"] * r, best["nhwc_us"] * r, src)

@@ -32,7 +32,7 @@ are not timed on torch's oneDNN: of 706 dense shapes timed on both (torchvision'
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
 compile of resnet50 or densenet121 spent. Results are cached on disk per
-oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv8-<isa>-<threads>t.json`,
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv9-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (1-D/3-D convs, sizes with
@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -80,8 +81,9 @@ class MeasuredCostModel(CostModel):
 
     def __init__(self, table: Optional[dict] = None):
         super().__init__(table)
-        self._disk: Optional[Dict[str, list]] = None
-        self._new: Dict[str, list] = {}
+        # Per cache file (one per thread count): a process may change its thread count.
+        self._disk: Dict[str, Dict[str, list]] = {}
+        self._new: Dict[str, Dict[str, list]] = {}
         self._spent = 0.0
 
     def begin_graph(self) -> None:
@@ -90,16 +92,23 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv8-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv9-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
-        if self._disk is None:
+        path = self._path()
+        if path not in self._disk:
             try:
-                with open(self._path()) as f:
-                    self._disk = dict(json.load(f))
+                with open(path) as f:
+                    self._disk[path] = dict(json.load(f))
             except (OSError, ValueError):
-                self._disk = {}
-        return self._disk
+                self._disk[path] = {}
+        return self._disk[path]
+
+    def _known(self, key: str) -> Optional[list]:
+        return self._new.get(self._path(), {}).get(key) or self._load().get(key)
+
+    def _learn(self, key: str, got: list) -> None:
+        self._new.setdefault(self._path(), {})[key] = got
 
     def _key(self, conv) -> Optional[str]:
         sizes = (*conv.in_size, *conv.size, *conv.kernel)
@@ -119,7 +128,7 @@ class MeasuredCostModel(CostModel):
         if key is None:
             return super().conv_cost(conv)
         conv = concrete
-        got = self._new.get(key) or self._load().get(key)
+        got = self._known(key)
         if got is None and self._spent < config.autotune_budget():
             t0 = time.perf_counter()
             try:
@@ -128,33 +137,58 @@ class MeasuredCostModel(CostModel):
                 got = None
             self._spent += time.perf_counter() - t0
             if got is not None:
-                self._new[key] = got
+                self._learn(key, got)
         if got is None:
             return super().conv_cost(conv)
         return measured_cost(got)
 
-    def save(self) -> None:
-        """Merge what this process measured into the on-disk cache (atomic replace)."""
-        if not self._new:
-            return
-        path = self._path()
-        with _LOCK:
+    def copy_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:
+        rate = self._copy_rate(dtype) if config.autotune() else None
+        return nbytes * rate if rate is not None else super().copy_cost(nbytes, dtype)
+
+    def _copy_rate(self, dtype: torch.dtype) -> Optional[float]:
+        """µs per byte of a layout conversion at this thread count: the shipped
+        table's rate is one thread's, and kernels and copies run on all of them
+        (at 2 threads it priced efficientnet_b0's batch-8 kernels at 2.6x what they took)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        key = f"copy {str(dtype)[6:]}"
+        got = self._known(key)
+        if got is None:
+            t0 = time.perf_counter()
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    got = [copy_us_per_byte(dtype)]
+            except Exception:  # noqa: BLE001 - the table's rate then
+                return None
+            self._spent += time.perf_counter() - t0
+            self._learn(key, got)
+        return got[0]
+
+    def save(self) -> None:
+        """Merge what this process measured into the on-disk caches (atomic replace)."""
+        with _LOCK:
+            for path, new in list(self._new.items()):
+                if not new:
+                    continue
                 try:
-                    with open(path) as f:
-                        merged = dict(json.load(f))
-                except (OSError, ValueError):
-                    merged = {}
-                merged.update(self._new)
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".conv-", suffix=".json")
-                with os.fdopen(fd, "w") as f:
-                    json.dump(merged, f, indent=0, sort_keys=True)
-                os.replace(tmp, path)
-                self._disk = merged
-                self._new = {}
-            except OSError:
-                pass  # a read-only cache: measure again next time
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    try:
+                        with open(path) as f:
+                            merged = dict(json.load(f))
+                    except (OSError, ValueError):
+                        merged = {}
+                    merged.update(new)
+                    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".conv-", suffix=".json")
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(merged, f, indent=0, sort_keys=True)
+                    os.replace(tmp, path)
+                    self._disk[path] = merged
+                    del self._new[path]
+                except OSError:
+                    pass  # a read-only cache: measure again next time
 
 
 def _at_hints(conv):
@@ -231,7 +265,12 @@ def _measure_real(conv, rounds):
     for lay in xs:
         r = res.contiguous(memory_format=torch.channels_last if lay == "nhwc" else torch.contiguous_format)
         post[lay] = [("add", r) if p == "add" else p for p in conv.post_ops]
-    runs = {lay: (lambda xi=xi, lay=lay: ops.conv2d(xi, w, b, out_layout=lay, post_ops=post[lay], **args))
+    # Ours writes into buffers allocated once, as the graph's pooled ones: an output allocated
+    # per call is a fresh mapping past malloc's threshold, whose page faults made a 1x1 conv to
+    # 8x96x112x112 "cost" 13 ms that runs in 3.8 ms in the graph (2 threads, Sapphire Rapids).
+    outs = {lay: ops.empty_dense(tuple(conv.size), conv.dtype, lay == "nhwc") for lay in xs}
+    runs = {lay: (lambda xi=xi, lay=lay: ops.conv2d(xi, w, b, out_layout=lay, post_ops=post[lay],
+                                                   out=outs[lay], **args))
             for lay, xi in xs.items()}
     attr = (ops.aten_conv_candidate(conv.dtype, conv.in_size, conv.size, conv.post_ops)
             if conv.groups > 1 else None)
@@ -243,11 +282,11 @@ def _measure_real(conv, rounds):
                                **args) for r in (0, 1)]
         if names[1] != names[0]:
             runs["next"] = lambda: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
-                                              impl_rank=1, **args)
+                                              impl_rank=1, out=outs["nhwc"], **args)
     if ops.winograd_candidate(conv.dtype, conv.kernel, conv.stride, conv.padding, conv.dilation, conv.groups,
                               conv.post_ops):
         runs["wino"] = lambda: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
-                                          impl_rank=ops.WINOGRAD, **args)
+                                          impl_rank=ops.WINOGRAD, out=outs["nhwc"], **args)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for run in runs.values():
@@ -260,6 +299,26 @@ def _measure_real(conv, rounds):
                 times[k].append((time.perf_counter() - t0) * 1e6)
     return [min(times["nchw"]), min(times["nhwc"])] + [min(times[k]) if k in times else None
                                                        for k in ("aten", "next", "wino")]
+
+
+def copy_us_per_byte(dtype: torch.dtype, rounds: int = 5) -> float:
+    """µs per byte (of one tensor) of a layout conversion, NCHW <-> NHWC both ways,
+    over four activation sizes of batch 1: the median of their fastest rounds."""
+    per_byte = []
+    with torch.no_grad():
+        for shape in ((1, 64, 56, 56), (1, 256, 14, 14), (1, 32, 112, 112), (1, 512, 7, 7)):
+            a = torch.randn(shape).to(dtype)
+            b = a.contiguous(memory_format=torch.channels_last)
+            nbytes = a.numel() * a.element_size()
+            for run in (lambda: a.contiguous(memory_format=torch.channels_last), lambda: b.contiguous()):
+                run()
+                best = float("inf")
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    run()
+                    best = min(best, time.perf_counter() - t0)
+                per_byte.append(best * 1e6 / nbytes)
+    return statistics.median(per_byte)
 
 
 _DEFAULT: Optional[CostModel] = None
