@@ -159,6 +159,8 @@ def test_copies_are_priced_at_the_thread_count_they_run_on(cache, monkeypatch):
             assert list(json.loads((cache / "autotune" / name).read_text())) == ["copy float32"]
         monkeypatch.setenv("CPU_LAYOUT_AUTOTUNE", "0")
         assert model.copy_cost(1000) == pytest.approx(1000.0), "measuring off: the table's rate"
+        torch.set_num_threads(2)
+        assert model.copy_cost(1000) == pytest.approx(500.0), "over every thread, as its convs"
     finally:
         torch.set_num_threads(prev)
 

@@ -517,12 +517,14 @@ def test_shipped_table_metadata_and_lookup():
     g = Graph()
     c = g.conv(g.input("x", (1, 64, 56, 56)), e["cout"], 3, padding=1)
     got = cm.conv_cost(g[c])
-    assert got.nchw_us == pytest.approx(e["nchw_us"]) and got.nhwc_us == pytest.approx(e["nhwc_us"])
+    per_thread = table.get("threads", 1) / torch.get_num_threads()  # the table's threads, ours
+    assert got.nchw_us == pytest.approx(e["nchw_us"] * per_thread)
+    assert got.nhwc_us == pytest.approx(e["nhwc_us"] * per_thread)
     assert got.source.startswith("table")
     # twice the batch: twice the time (FLOP scaling)
     g2 = Graph()
     c2 = g2.conv(g2.input("x", (2, 64, 56, 56)), e["cout"], 3, padding=1)
-    assert cm.conv_cost(g2[c2]).nchw_us == pytest.approx(2 * e["nchw_us"])
+    assert cm.conv_cost(g2[c2]).nchw_us == pytest.approx(2 * e["nchw_us"] * per_thread)
     assert cm.copy_cost(1000) > 0
 
 
@@ -561,6 +563,14 @@ def test_aten_pooling_is_priced_per_layout():
     no_pool = StubCost(cm.rule)
     no_pool.pool_cost = lambda node: (0.0, 0.0)
     assert plan(g, no_pool).label_of["stem"] == CONTIGUOUS  # the price is what decides
+    prev = torch.get_num_threads()
+    try:  # both kernels split the pool over the threads (one thread's rates)
+        torch.set_num_threads(1)
+        one = cm.pool_cost(g["pool"])
+        torch.set_num_threads(2)
+        assert cm.pool_cost(g["pool"]) == pytest.approx((one[0] / 2, one[1] / 2))
+    finally:
+        torch.set_num_threads(prev)
 
 
 def test_other_ops_are_priced_for_the_prediction_but_never_decide():

@@ -162,7 +162,8 @@ class CostModel:
             return (0.0, 0.0)
         from cpu_layout.layout import numel_hint
 
-        work = numel_hint(node.size) * math.prod(node.kernel) / 1e3
+        # Both kernels split the output over the threads; the rates are one thread's.
+        work = numel_hint(node.size) * math.prod(node.kernel) / 1e3 / max(1, torch.get_num_threads())
         return (work * per[0], work * per[1])
 
     # ---- everything else: priced for the prediction, the same in every layout ----
@@ -183,8 +184,10 @@ class CostModel:
 
     # ---- copies ---------------------------------------------------------------
     def copy_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:
+        """The table's rate (one thread's; plan/measure.py measures it at the thread
+        count in use) over every thread, as its convs."""
         per_byte = self._copy.get(str(dtype).replace("torch.", ""), _COPY_US_PER_BYTE)
-        return nbytes * per_byte
+        return nbytes * per_byte * self._table_threads / max(1, torch.get_num_threads())
 
     def gather_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:
         """µs to copy a slice dense in its own order (rows copied as they are, no
