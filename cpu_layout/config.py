@@ -35,7 +35,7 @@ def autotune_budget() -> float:
         return 2.0
 
 
-CONV_IMPLS = ("auto", "onednn", "onednn_next", "aten", "winograd")
+CONV_IMPLS = ("auto", "onednn", "onednn_next", "aten", "winograd", "merge_groups")
 
 
 def conv_impl() -> str:
@@ -44,7 +44,9 @@ def conv_impl() -> str:
     onednn: always cpu_layout's own oneDNN, its first implementation;
     onednn_next: ours on oneDNN's next implementation for every grouped conv
     (for tests); aten: torch's bundled oneDNN wherever it can (for tests);
-    winograd: ours on the Winograd kernel wherever it can (for tests)."""
+    winograd: ours on the Winograd kernel wherever it can (for tests);
+    merge_groups: ours with the groups merged into groups of 32 channels (or 16)
+    wherever ops.merge_candidates offers it (for tests)."""
     v = os.environ.get("CPU_LAYOUT_CONV_IMPL", "auto").strip().lower() or "auto"
     if v not in CONV_IMPLS:
         raise ValueError(f"CPU_LAYOUT_CONV_IMPL={v!r}: choose from {', '.join(CONV_IMPLS)}")

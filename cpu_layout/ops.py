@@ -26,6 +26,26 @@ from cpu_layout._native import ffi, lib
 
 # impl_rank of cpu_layout's own Winograd F(2x2, 3x3) convolution (csrc/winograd.cpp).
 WINOGRAD = lib.CL_IMPL_WINOGRAD
+# impl_rank MERGE_GROUPS + m: a grouped conv as one of groups / m groups on a block-diagonal
+# weight (csrc/conv.cpp, build_merged), where oneDNN has fast kernels only for wider groups.
+MERGE_GROUPS = lib.CL_IMPL_MERGE_GROUPS
+_MERGE_FACTORS = (2, 4, 8, 16)
+
+
+def merged_groups(impl_rank: int) -> int:
+    """m of an impl_rank MERGE_GROUPS + m, else 1."""
+    return impl_rank - MERGE_GROUPS if impl_rank > MERGE_GROUPS else 1
+
+
+def merge_candidates(dtype, in_channels: int, out_channels: int, groups: int) -> tuple:
+    """The merge factors worth timing for a grouped conv: groups of fewer than 16 input
+    or output channels widened to 16 and to 32 (where oneDNN's AMX and brgemm kernels
+    start), m dividing groups; none for depthwise convs (their own kernels are fast)."""
+    icg, ocg = in_channels // groups, out_channels // groups
+    if groups == 1 or icg == 1 or dtype not in (torch.float32, torch.bfloat16) or min(icg, ocg) >= 16:
+        return ()
+    return tuple(m for m in _MERGE_FACTORS
+                 if groups % m == 0 and min(icg, ocg) * m in (16, 32))
 
 __all__ = [
     "conv1d",
@@ -423,8 +443,13 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
     a.src_cl = src_cl
     a.dst_cl = dst_cl
     a.w_cl = w_cl
-    if not (isinstance(impl_rank, int) and (0 <= impl_rank <= 8 or impl_rank == WINOGRAD)):
-        raise ValueError(f"impl_rank must be an int in 0..8 or ops.WINOGRAD, got {impl_rank!r}")
+    if not (isinstance(impl_rank, int) and (0 <= impl_rank <= 8 or impl_rank == WINOGRAD
+                                            or merged_groups(impl_rank) in _MERGE_FACTORS)):
+        raise ValueError("impl_rank must be an int in 0..8, ops.WINOGRAD or ops.MERGE_GROUPS + m "
+                         f"(m in {_MERGE_FACTORS}), got {impl_rank!r}")
+    if groups % merged_groups(impl_rank):
+        raise ValueError(f"impl_rank ops.MERGE_GROUPS + {merged_groups(impl_rank)}: the factor must "
+                         f"divide groups ({groups})")
     a.impl_rank = impl_rank
     a.n, a.ic, a.oc, a.groups = n, ic, oc, groups
     for i in range(nsp):
@@ -625,7 +650,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, post
     or "channels_last"/"nhwc" (torch memory formats work too).
     impl_rank: 0 runs oneDNN's first suitable implementation; k the k-th after
     it, when there is one (else the first); WINOGRAD cpu_layout's Winograd
-    F(2x2, 3x3) (`winograd_candidate` says when); `impl_name` tells which.
+    F(2x2, 3x3) (`winograd_candidate` says when); MERGE_GROUPS + m the groups
+    merged m at a time (`merge_candidates`); `impl_name` tells which.
     out: a batched tensor to write the result into, of the output's size and dtype
     and dense in its layout (ValueError otherwise), as a graph's pooled buffers are:
     no allocation per call.

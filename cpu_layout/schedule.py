@@ -108,6 +108,11 @@ def choose_conv_impls(g: ir.Graph) -> None:
         if force == "onednn_next":
             n.impl_rank = 1 if n.groups > 1 else 0
             continue
+        if force == "merge_groups":
+            factors = ops.merge_candidates(n.x.dtype, L.hint(n.x.size[1]), L.hint(n.out.size[1]), n.groups)
+            if factors:
+                n.impl_rank = ops.MERGE_GROUPS + max(factors)
+            continue
         if force == "winograd":
             if n.x.rank == 4 and ops.winograd_candidate(n.x.dtype, n.weight.size[2:], n.stride, n.padding,
                                                         n.dilation, n.groups, n.post_ops):

@@ -30,9 +30,12 @@ enum {
 
 /* impl_rank: cpu_layout's own Winograd F(2x2, 3x3) instead of a oneDNN convolution
  * (float32, 3x3, stride 1, padding 1, channels-last, ungrouped; post-ops ReLU,
- * clamp and residual adds). */
+ * clamp and residual adds). CL_IMPL_MERGE_GROUPS + m (m = 2, 4, 8 or 16, dividing
+ * groups): a grouped conv run as one of groups / m groups of m times the channels,
+ * on a block-diagonal weight (zeros between the merged groups). */
 enum {
-    CL_IMPL_WINOGRAD = 16
+    CL_IMPL_WINOGRAD = 16,
+    CL_IMPL_MERGE_GROUPS = 32
 };
 
 typedef struct {
@@ -54,7 +57,8 @@ typedef struct {
     int w_cl;            /* 1: weight is channels-last (O..I), 0: contiguous (OI..) */
     int impl_rank;       /* 0: oneDNN's first acceptable implementation; k (up to 8): the
                             k-th one after it when there is one (measured faster), else the
-                            first; CL_IMPL_WINOGRAD: cpu_layout's Winograd */
+                            first; CL_IMPL_WINOGRAD: cpu_layout's Winograd;
+                            CL_IMPL_MERGE_GROUPS + m: groups merged m at a time */
     long long n;
     long long ic;
     long long oc;

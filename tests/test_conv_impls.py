@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpu_layout import ir, ops
+from cpu_layout._native import ffi
 from cpu_layout.plan import measure
 
 IMPLS = ["onednn", "onednn_next", "aten", "winograd"]
@@ -367,3 +368,142 @@ def test_an_error_in_torchs_conv_inside_a_segment_is_a_python_exception():
         call([xs, torch.randn(4, 5, 3, 3)], pack)  # 8 input channels, a weight for 5
     (y,) = call([xs, wt], pack)  # and the segment still works afterwards
     assert y.shape == (1, 4, 6, 6)
+
+
+# ---- grouped convs with their groups merged (impl_rank MERGE_GROUPS + m) ------------
+
+class Grouped(nn.Module):
+    """ResNeXt-like: groups of 4 and of 8 input channels (merge candidates), a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 32, 1, bias=False)
+        self.bn = nn.BatchNorm2d(32)
+        self.g4 = nn.Conv2d(32, 32, 3, padding=1, groups=8)
+        self.g8 = nn.Conv2d(32, 64, 3, stride=2, padding=1, groups=4, bias=False)
+        self.c3 = nn.Conv2d(64, 64, 1)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.c1(x)))
+        y = F.relu(self.g4(y))
+        y = F.silu(self.g8(y))
+        return F.relu(self.c3(y) + y)
+
+
+def _grouped():
+    m = Grouped().eval()
+    m.bn.running_mean.uniform_(-0.5, 0.5)
+    m.bn.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+def test_merge_candidates_widen_narrow_groups_only():
+    f32 = torch.float32
+    assert ops.merge_candidates(f32, 128, 128, 32) == (4, 8)    # 4 channels a group -> 16, 32
+    assert ops.merge_candidates(f32, 256, 256, 32) == (2, 4)    # 8 -> 16, 32
+    assert ops.merge_candidates(f32, 32, 64, 4) == (2, 4)       # 8 in, 16 out: the narrower side
+    assert ops.merge_candidates(f32, 48, 48, 12) == (4,)        # 4 -> 16 (12 has no factor 8)
+    assert ops.merge_candidates(f32, 512, 512, 32) == ()        # 16 already
+    assert ops.merge_candidates(f32, 64, 64, 64) == ()          # depthwise
+    assert ops.merge_candidates(f32, 64, 64, 1) == ()
+    assert ops.merge_candidates(torch.float16, 128, 128, 32) == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_cl", [False, True], ids=["w_oihw", "w_ohwi"])
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_merged_groups_give_the_grouped_convs_values(dtype, w_cl, layout):
+    for n, cin, cout, hw, k, s, g in [(2, 64, 64, 9, 3, 1, 16), (1, 32, 64, 8, 3, 2, 4), (3, 48, 24, 7, 1, 1, 12)]:
+        x = torch.randn(n, cin, hw, hw).to(dtype)
+        w = (torch.randn(cout, cin // g, k, k) * 0.2).to(dtype)
+        if w_cl:
+            w = w.contiguous(memory_format=torch.channels_last)
+        b = torch.randn(cout).to(dtype)
+        kw = dict(stride=s, padding=k // 2, groups=g, out_layout=layout, post_ops=["relu"])
+        ref = F.relu(F.conv2d(x.float(), w.float(), b.float(), s, k // 2, 1, g))
+        base = ops.conv2d(x, w, b, **kw)
+        for m in ops.merge_candidates(dtype, cin, cout, g) + (2,):
+            rank = ops.MERGE_GROUPS + m
+            y = ops.conv2d(x, w, b, impl_rank=rank, **kw)
+            assert f"groups merged {m} at a time" in ops.impl_name(x, w, b, impl_rank=rank, **kw)
+            assert y.shape == base.shape and y.stride() == base.stride() and y.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            else:  # no further from exact than the grouped conv itself (bf16 output rounding)
+                assert (y.float() - ref).abs().max() <= 2 * (base.float() - ref).abs().max() + 1e-2
+
+
+def test_a_merge_factor_must_divide_groups():
+    x, w = torch.randn(1, 12, 5, 5), torch.randn(12, 4, 3, 3)
+    with pytest.raises(ValueError, match="must divide groups"):
+        ops.conv2d(x, w, groups=3, impl_rank=ops.MERGE_GROUPS + 2)
+    with pytest.raises(ValueError, match="impl_rank"):
+        ops.conv2d(x, w, groups=3, impl_rank=ops.MERGE_GROUPS + 3)
+    # The C ABI refuses it too (a problem built without the Python checks).
+    a = ffi.new("cl_conv_args *")
+    a.nsp, a.dtype, a.n, a.ic, a.oc, a.groups = 2, ops.lib.CL_F32, 1, 12, 12, 3
+    for i in range(2):
+        a.in_sp[i], a.k_sp[i], a.out_sp[i], a.stride[i], a.dilation[i] = 5, 3, 3, 1, 1
+    a.impl_rank = ops.MERGE_GROUPS + 2
+    out = ffi.new("char[]", 256)
+    assert ops.lib.cl_conv_impl_name(a, out, 256) != 0
+    assert "dividing groups" in ffi.string(ops.lib.cl_last_error()).decode()
+
+
+@pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_merged_groups_in_a_graph_give_eagers_values_and_strides(cpp, amp, grad_mode, monkeypatch,
+                                                                 compiled_graphs):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "merge_groups")
+    model = _grouped()
+    mode = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    fn = _compile(model, cpp)
+    with mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        for n in (2, 2, 3):
+            x = torch.randn(n, 8, 12, 12)
+            y, ref = fn(x), model(x)
+            assert y.shape == ref.shape and y.stride() == ref.stride()
+            tol = 5e-2 if amp else 1e-4
+            torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+    merged = [f"onednn:{ops.MERGE_GROUPS + 8}", f"onednn:{ops.MERGE_GROUPS + 4}"]  # to 32 channels a group
+    for g in compiled_graphs:
+        assert _impls(g) == sorted(["onednn", "onednn"] + merged)
+
+
+@pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
+def test_merged_groups_follow_weight_changes(cpp, monkeypatch):
+    monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "merge_groups")
+    model = _grouped()
+    fn = _compile(model, cpp)
+    x = torch.randn(2, 8, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+        model.g4.weight.mul_(-2.0)                                            # in place
+        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+        model.g8.weight = nn.Parameter(torch.randn_like(model.g8.weight) * 0.1)  # replaced
+        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_merged_groups_are_timed_and_chosen_beyond_their_margin():
+    from cpu_layout.plan import graph as pg
+
+    def conv(cin, groups):
+        return pg.Conv("c", (), (1, cin, 8, 8), torch.float32, in_size=(1, cin, 8, 8), out_channels=cin,
+                       kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=groups,
+                       post_ops=("relu",))
+
+    got = measure._measure(conv(64, 16), rounds=1)  # 4 channels a group: merged 4 and 8 at a time
+    assert len(got) == 7 and got[5] > 0 and got[6] in (4, 8)
+    assert measure._measure(conv(64, 64), rounds=1)[5:] == [None, None]  # depthwise: not offered
+    assert measure._measure(conv(64, 1), rounds=1)[5:] == [None, None]
+    beyond, within = 80.0 * (1 - measure.MERGE_MARGIN) - 1.0, 80.0 * (1 - measure.MERGE_MARGIN) + 1.0
+    cost = measure.measured_cost([100.0, 80.0, None, None, None, beyond, 8])
+    assert cost.nhwc_rank == ops.MERGE_GROUPS + 8 and cost.nhwc_us == beyond
+    assert "groups merged 8 at a time" in cost.source
+    assert measure.measured_cost([100.0, 80.0, None, None, None, within, 8]).nhwc_rank == 0
+    assert measure.measured_cost([100.0, 80.0, None, None, None]).nhwc_rank == 0, "an entry from before"
+    aten = beyond * (1 - measure.ATEN_MARGIN)
+    assert measure.measured_cost([100.0, 80.0, aten + 1.0, None, None, beyond, 8]).nhwc_impl == "onednn", \
+        "torch's must beat the merged time by its own margin"
+    assert measure.measured_cost([100.0, 80.0, aten - 1.0, None, None, beyond, 8]).nhwc_impl == "aten"

@@ -27,12 +27,17 @@ C120 28x28 5x5 0.29 vs 0.37 ms; the other way round 0.76 vs 1.16 ms at C72
 56x56). A 3x3 stride-1 conv, float32 or (with native bf16) bfloat16, is also
 timed on cpu_layout's Winograd kernel (`ops.winograd_candidate`), which runs
 it when at least WINOGRAD_MARGIN faster (`ConvCost.nhwc_rank` = ops.WINOGRAD):
-1.3-1.9x on resnet50's 3x3 convs at 56 to 14 px, slower at 7 px. Dense convs
+1.3-1.9x on resnet50's 3x3 convs at 56 to 14 px, slower at 7 px. A grouped
+conv with groups of fewer than 16 channels is also timed with its groups
+merged into groups of 16 and of 32 channels on a block-diagonal weight
+(`ops.merge_candidates`), which runs it when at least MERGE_MARGIN faster
+(`ConvCost.nhwc_rank` = ops.MERGE_GROUPS + m): oneDNN 3.2's AMX kernels start at
+16 channels per group (ResNeXt's bf16 3x3 convs, 4 and 8 per group: 5-6x). Dense convs
 are not timed on torch's oneDNN: of 706 dense shapes timed on both (torchvision's models, batch 1
 and 8, fp32 and bf16, EPYC Zen 4) torch's won one, by 6%, against 19 of 192
 depthwise ones, and timing it was about a third of the measuring a cold
 compile of resnet50 or densenet121 spent. Results are cached on disk per
-oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv9-<isa>-<threads>t.json`,
+oneDNN ISA and thread count (`<CPU_LAYOUT_CACHE_DIR>/autotune/conv10-<isa>-<threads>t.json`,
 atomic writes, shared by processes), so a second compile measures nothing.
 Measuring is bounded per graph (CPU_LAYOUT_AUTOTUNE_BUDGET seconds, default
 2); past the budget, and for shapes it cannot run (1-D/3-D convs, sizes with
@@ -74,6 +79,9 @@ NEXT_MARGIN = 0.05
 # per thread and reused), and values as close to exact as the direct conv's (fp32:
 # closer; bf16: 1.2x eager's own bf16 error): taken when clearly faster.
 WINOGRAD_MARGIN = 0.10
+# Ours with the groups merged (ops.merge_candidates): the same buffers, values as the
+# grouped conv's (the added products are exact zeros), so noise is the only margin.
+MERGE_MARGIN = 0.05
 
 
 class MeasuredCostModel(CostModel):
@@ -92,7 +100,7 @@ class MeasuredCostModel(CostModel):
 
     def _path(self) -> str:
         return os.path.join(config.cache_dir(), "autotune",
-                            f"conv9-{cpu_isa()}-{torch.get_num_threads()}t.json")
+                            f"conv10-{cpu_isa()}-{torch.get_num_threads()}t.json")
 
     def _load(self) -> Dict[str, list]:
         path = self._path()
@@ -212,13 +220,14 @@ def _at_hints(conv):
 def measured_cost(got) -> ConvCost:
     """The cost of a conv from its timings [NCHW, NHWC, torch's oneDNN NHWC or None,
     ours NHWC on oneDNN's next implementation or None, ours NHWC on the Winograd
-    kernel or None] (µs)."""
-    from cpu_layout.ops import WINOGRAD
+    kernel or None, ours NHWC with the groups merged or None, its factor m] (µs)."""
+    from cpu_layout.ops import MERGE_GROUPS, WINOGRAD
 
     nchw, nhwc = got[0], got[1]
     aten = got[2] if len(got) > 2 else None
     nxt = got[3] if len(got) > 3 else None
     wino = got[4] if len(got) > 4 else None
+    merge, factor = (got[5], got[6]) if len(got) > 6 and got[5] is not None else (None, 1)
     text = f"measured: ours NCHW {nchw:.0f} us, NHWC {nhwc:.0f} us"
     rank = 0
     if nxt is not None:
@@ -230,6 +239,11 @@ def measured_cost(got) -> ConvCost:
         text += f", NHWC on Winograd {wino:.0f} us"
         if wino < (1.0 - WINOGRAD_MARGIN) * nhwc:
             nhwc, rank = wino, WINOGRAD
+            text += " (NHWC runs on it)"
+    if merge is not None:
+        text += f", NHWC with groups merged {factor} at a time {merge:.0f} us"
+        if merge < (1.0 - MERGE_MARGIN) * nhwc:
+            nhwc, rank = merge, MERGE_GROUPS + factor
             text += " (NHWC runs on it)"
     if aten is not None:
         text += f", torch's oneDNN NHWC {aten:.0f} us"
@@ -287,6 +301,9 @@ def _measure_real(conv, rounds):
                               conv.post_ops):
         runs["wino"] = lambda: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
                                           impl_rank=ops.WINOGRAD, out=outs["nhwc"], **args)
+    for m in ops.merge_candidates(conv.dtype, conv.in_size[1], conv.size[1], conv.groups):
+        runs[f"merge{m}"] = (lambda m=m: ops.conv2d(xs["nhwc"], w, b, out_layout="nhwc", post_ops=post["nhwc"],
+                                                    impl_rank=ops.MERGE_GROUPS + m, out=outs["nhwc"], **args))
     times = {k: [] for k in runs}
     with torch.no_grad():
         for run in runs.values():
@@ -297,8 +314,9 @@ def _measure_real(conv, rounds):
                 t0 = time.perf_counter()
                 run()
                 times[k].append((time.perf_counter() - t0) * 1e6)
+    merged = min(((min(t), int(k[5:])) for k, t in times.items() if k.startswith("merge")), default=(None, None))
     return [min(times["nchw"]), min(times["nhwc"])] + [min(times[k]) if k in times else None
-                                                       for k in ("aten", "next", "wino")]
+                                                       for k in ("aten", "next", "wino")] + list(merged)
 
 
 def copy_us_per_byte(dtype: torch.dtype, rounds: int = 5) -> float:
