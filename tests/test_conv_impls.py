@@ -39,8 +39,9 @@ class Mixed(nn.Module):
         return F.relu(self.c3(y) + y)
 
 
-def _model():
-    m = Mixed().eval()
+def _model(cls=Mixed):
+    """The model in eval mode, its batch-norm's statistics non-trivial."""
+    m = cls().eval()
     m.bn.running_mean.uniform_(-0.5, 0.5)
     m.bn.running_var.uniform_(0.5, 2.0)
     return m
@@ -49,6 +50,20 @@ def _model():
 def _compile(model, cpp):
     torch._dynamo.reset()
     return torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+
+
+def _runs_as_eager(model, cpp, amp, grad_mode):
+    """Compiled, over batches 2, 2, 3 (a static graph, then a dynamic one): eager's
+    sizes, strides and values (bf16 tolerance under autocast)."""
+    mode = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    fn = _compile(model, cpp)
+    with mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        for n in (2, 2, 3):
+            x = torch.randn(n, 8, 12, 12)
+            y, ref = fn(x), model(x)
+            assert y.shape == ref.shape and y.stride() == ref.stride()
+            tol = 5e-2 if amp else 1e-4
+            torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def _impls(graph):
@@ -97,16 +112,7 @@ def test_post_ops_torchs_conv_cannot_fuse_keep_it_out():
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_each_candidate_gives_eagers_values_and_strides(impl, cpp, amp, grad_mode, monkeypatch, compiled_graphs):
     monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", impl)
-    model = _model()
-    mode = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
-    fn = _compile(model, cpp)
-    with mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        for n in (2, 2, 3):
-            x = torch.randn(n, 8, 12, 12)
-            y, ref = fn(x), model(x)
-            assert y.shape == ref.shape and y.stride() == ref.stride()
-            tol = 5e-2 if amp else 1e-4
-            torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+    _runs_as_eager(_model(), cpp, amp, grad_mode)
     assert len(compiled_graphs) == 2  # batch 2, then a dynamic batch
     native = bool(ops.lib.cl_native_bf16())
     wino = f"onednn:{ops.WINOGRAD}" if native or not amp else "onednn"  # bf16 only where native
@@ -390,13 +396,6 @@ class Grouped(nn.Module):
         return F.relu(self.c3(y) + y)
 
 
-def _grouped():
-    m = Grouped().eval()
-    m.bn.running_mean.uniform_(-0.5, 0.5)
-    m.bn.running_var.uniform_(0.5, 2.0)
-    return m
-
-
 def test_merge_candidates_widen_narrow_groups_only():
     f32 = torch.float32
     assert ops.merge_candidates(f32, 128, 128, 32) == (4, 8)    # 4 channels a group -> 16, 32
@@ -456,16 +455,8 @@ def test_a_merge_factor_must_divide_groups():
 def test_merged_groups_in_a_graph_give_eagers_values_and_strides(cpp, amp, grad_mode, monkeypatch,
                                                                  compiled_graphs):
     monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "merge_groups")
-    model = _grouped()
-    mode = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
-    fn = _compile(model, cpp)
-    with mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        for n in (2, 2, 3):
-            x = torch.randn(n, 8, 12, 12)
-            y, ref = fn(x), model(x)
-            assert y.shape == ref.shape and y.stride() == ref.stride()
-            tol = 5e-2 if amp else 1e-4
-            torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+    _runs_as_eager(_model(Grouped), cpp, amp, grad_mode)
+    assert len(compiled_graphs) == 2
     merged = [f"onednn:{ops.MERGE_GROUPS + 8}", f"onednn:{ops.MERGE_GROUPS + 4}"]  # to 32 channels a group
     for g in compiled_graphs:
         assert _impls(g) == sorted(["onednn", "onednn"] + merged)
@@ -474,7 +465,7 @@ def test_merged_groups_in_a_graph_give_eagers_values_and_strides(cpp, amp, grad_
 @pytest.mark.parametrize("cpp", MODES, ids=["py", "cpp"])
 def test_merged_groups_follow_weight_changes(cpp, monkeypatch):
     monkeypatch.setenv("CPU_LAYOUT_CONV_IMPL", "merge_groups")
-    model = _grouped()
+    model = _model(Grouped)
     fn = _compile(model, cpp)
     x = torch.randn(2, 8, 12, 12)
     with torch.no_grad():

@@ -92,6 +92,7 @@ class MeasuredCostModel(CostModel):
         # Per cache file (one per thread count): a process may change its thread count.
         self._disk: Dict[str, Dict[str, list]] = {}
         self._new: Dict[str, Dict[str, list]] = {}
+        self._rates: Dict[tuple, float] = {}
         self._spent = 0.0
 
     def begin_graph(self) -> None:
@@ -160,6 +161,9 @@ class MeasuredCostModel(CostModel):
         (at 2 threads it priced efficientnet_b0's batch-8 kernels at 2.6x what they took)."""
         if dtype not in (torch.float32, torch.bfloat16):
             return None
+        memo = (dtype, torch.get_num_threads())  # the planner asks for every edge
+        if memo in self._rates:
+            return self._rates[memo]
         key = f"copy {str(dtype)[6:]}"
         got = self._known(key)
         if got is None:
@@ -173,6 +177,7 @@ class MeasuredCostModel(CostModel):
                 return None
             self._spent += time.perf_counter() - t0
             self._learn(key, got)
+        self._rates[memo] = got[0]
         return got[0]
 
     def save(self) -> None:
