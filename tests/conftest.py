@@ -19,6 +19,17 @@ def _seeded(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """Torch's thread count as each test found it, whatever the test (or a script it
+    runs in-process) set: costs, plans and kernels depend on it, so a leaked count
+    made later tests' results depend on their order."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def no_grad():
     with torch.no_grad():
