@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from cpu_layout import _native
-from cpu_layout.layout import CHANNELS_LAST, eager_memory_format
+from cpu_layout.layout import CHANNELS_LAST, channels_last_strides, contiguous_strides, eager_memory_format
 from cpu_layout._native import ffi, lib
 
 # impl_rank of cpu_layout's own Winograd F(2x2, 3x3) convolution (csrc/winograd.cpp).
@@ -555,11 +555,7 @@ def _checked_out(out, prob, dtype) -> torch.Tensor:
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
         raise TypeError("out must be a CPU tensor")
     size = prob.out_size
-    order = [0, *range(2, len(size)), 1] if prob.dst_cl else list(range(len(size)))
-    want, step = [0] * len(size), 1
-    for d in reversed(order):  # the dense strides of that order, as empty_dense makes them
-        want[d], step = step, step * size[d]
-    want = tuple(want)
+    want = channels_last_strides(size) if prob.dst_cl else contiguous_strides(size)  # as empty_dense makes
     if tuple(out.shape) != size or out.dtype != dtype or out.stride() != want:
         raise ValueError(f"out must be {size} {dtype} with strides {want}, got "
                          f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")

@@ -18,9 +18,11 @@ static_assert(DNNL_VERSION_MAJOR == 3 && DNNL_VERSION_MINOR == 2,
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <omp.h>
 #include <stdexcept>
 #include <string>
@@ -328,7 +330,6 @@ struct ConvEntry {
     // of merged_wei_md, which is reordered to wei_md. user_wei_md stays the user's.
     int merge = 1;
     bool merge_w_cl = false;
-    long long merge_ocg = 0, merge_icg = 0, merge_k = 0;
     memory::desc merged_wei_md;
     dnnl::matmul products;
     memory::desc wino_in_md, wino_out_md;
@@ -540,27 +541,23 @@ std::shared_ptr<ConvEntry> build_merged(const cl_conv_args &a) {
     auto e = build_entry(b);
     e->merge = m;
     e->merge_w_cl = a.w_cl != 0;
-    e->merge_ocg = a.oc / a.groups;
-    e->merge_icg = a.ic / a.groups;
-    e->merge_k = 1;
     memory::dims dims{a.groups, a.oc / a.groups, a.ic / a.groups};
-    for (int i = 0; i < a.nsp; ++i) {
-        dims.push_back(a.k_sp[i]);
-        e->merge_k *= a.k_sp[i];
-    }
+    for (int i = 0; i < a.nsp; ++i) dims.push_back(a.k_sp[i]);
     e->merged_wei_md = e->user_wei_md;
     e->user_wei_md = memory::desc(dims, to_dt(a.dtype), wei_tag(a.nsp, true, a.w_cl));
     e->impl += " (groups merged " + std::to_string(m) + " at a time)";
     return e;
 }
 
-// The user's grouped weight [oc][icg][k] (w_cl: [oc][k][icg]) as the merged problem's
-// plain weight [oc][icg * m][k] (or [oc][k][icg * m]): output channel o of group g reads
-// input slot g % m of its merged group; every other slot is zero.
+// The user's grouped weight [oc][icg][k] (w_cl: [oc][k][icg]; user_wei_md's dims are
+// [groups][ocg][icg][k...]) as the merged problem's plain weight [oc][icg * m][k] (or
+// [oc][k][icg * m]): output channel o of group g reads input slot g % m of its merged
+// group; every other slot is zero.
 template <class T>
 void spread_block_diagonal(const T *w, T *out, const ConvEntry &e) {
-    const long long m = e.merge, ocg = e.merge_ocg, icg = e.merge_icg, K = e.merge_k;
-    const long long oc = ocg * (e.user_wei_md.get_dims()[0]), wide = icg * m;
+    const memory::dims d = e.user_wei_md.get_dims();
+    const long long m = e.merge, ocg = d[1], icg = d[2], oc = d[0] * ocg, wide = icg * m;
+    const long long K = std::accumulate(d.begin() + 3, d.end(), 1LL, std::multiplies<long long>());
     std::memset(out, 0, sizeof(T) * oc * wide * K);
     for (long long o = 0; o < oc; ++o) {
         const long long slot = (o / ocg) % m;

@@ -113,6 +113,12 @@ _STREAM_VS_COPY = 0.4
 # (Sapphire Rapids, 1 thread).
 _VECTOR_MATH_NS = 0.3
 
+def _threads() -> int:
+    """The threads a conv, kernel or copy runs on: every measured or modelled
+    one-thread cost is spread over them."""
+    return max(1, torch.get_num_threads())
+
+
 # ns per (output element x window element) of pooling, (NCHW: ATen, NHWC: ours).
 _POOL_NS = {"max": (3.2, 0.12), "avg": (1.0, 0.12)}
 
@@ -163,7 +169,7 @@ class CostModel:
         from cpu_layout.layout import numel_hint
 
         # Both kernels split the output over the threads; the rates are one thread's.
-        work = numel_hint(node.size) * math.prod(node.kernel) / 1e3 / max(1, torch.get_num_threads())
+        work = numel_hint(node.size) * math.prod(node.kernel) / 1e3 / _threads()
         return (work * per[0], work * per[1])
 
     # ---- everything else: priced for the prediction, the same in every layout ----
@@ -178,8 +184,8 @@ class CostModel:
         predicted forward time comparable with the measured one."""
         fixed = _CALL_US if call else 0.0
         if flops:
-            return fixed + flops / (_MATMUL_GFLOPS * 1e3 * max(1, torch.get_num_threads()))
-        math = math_elements * _VECTOR_MATH_NS / (1e3 * max(1, torch.get_num_threads()))
+            return fixed + flops / (_MATMUL_GFLOPS * 1e3 * _threads())
+        math = math_elements * _VECTOR_MATH_NS / (1e3 * _threads())
         return fixed + math + _STREAM_VS_COPY * self.copy_cost((in_bytes + out_bytes) // 2, dtype)
 
     # ---- copies ---------------------------------------------------------------
@@ -187,7 +193,7 @@ class CostModel:
         """The table's rate (one thread's; plan/measure.py measures it at the thread
         count in use) over every thread, as its convs."""
         per_byte = self._copy.get(str(dtype).replace("torch.", ""), _COPY_US_PER_BYTE)
-        return nbytes * per_byte * self._table_threads / max(1, torch.get_num_threads())
+        return nbytes * per_byte * self._table_threads / _threads()
 
     def gather_cost(self, nbytes: int, dtype: torch.dtype = torch.float32) -> float:
         """µs to copy a slice dense in its own order (rows copied as they are, no
@@ -232,7 +238,7 @@ class CostModel:
                     best, best_d = e, d
         if best is not None and best_d <= MAX_DISTANCE:
             # The table's convs ran on its `threads` (one); a conv runs on all of ours.
-            r = flops / best["_flops"] * self._table_threads / max(1, torch.get_num_threads())
+            r = flops / best["_flops"] * self._table_threads / _threads()
             src = (f"table: {best['dtype']} {best['cin']}->{best['cout']} k{best['kernel']} s{best['stride']} "
                    f"g{best['groups']} {best['spatial']}px (d={best_d:.2f})")
             return ConvCost(best["nchw_us"] * r, best["nhwc_us"] * r, src)
