@@ -215,10 +215,10 @@ class Cats(nn.Module):
     through a transpose (not dense in any named order), along width, and of
     an empty part."""
 
-    def __init__(self):
+    def __init__(self, ca=5, cb=4):
         super().__init__()
-        self.a = nn.Conv2d(3, 5, 3, padding=1)
-        self.b = nn.Conv2d(3, 4, 1)
+        self.a = nn.Conv2d(3, ca, 3, padding=1)
+        self.b = nn.Conv2d(3, cb, 1)
 
     def forward(self, x):
         a, b = F.relu(self.a(x)), self.b(x)
@@ -229,23 +229,33 @@ class Cats(nn.Module):
         return y, z, w, t
 
 
+# (channels of a, of b, size, amp): parts shorter than 64 bytes a row, and
+# parts of whole 64-byte blocks and a tail (fp32: 24 and 32 channels are 96 and
+# 128 bytes; bf16 48 and 64) over enough rows to share among threads.
+CAT_CASES = {"narrow": (5, 4, 6, False), "wide": (24, 32, 40, False), "wide_amp": (24, 32, 40, True)}
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw_input", "nhwc_input"])
-def test_own_cat_matches_atens(mode, channels_last, monkeypatch):
-    model = Cats().eval()
+@pytest.mark.parametrize("case", list(CAT_CASES))
+def test_own_cat_matches_atens(case, mode, channels_last, monkeypatch):
+    ca, cb, size, amp = CAT_CASES[case]
+    torch.manual_seed(0)
+    model = Cats(ca, cb).eval()
     fn = compile_cpp(model)
     grad = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    with grad:
-        x = torch.randn(2, 3, 6, 6).contiguous(memory_format=fmt)
+    with grad, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        x = torch.randn(2, 3, size, size).contiguous(memory_format=fmt)
         fn(x)
         _no_python_runners(monkeypatch)
         before = runtime.SegmentCall.calls
         got = fn(x)
         assert runtime.SegmentCall.calls - before == 1
         for y, ref in zip(got, model(x)):
-            assert y.shape == ref.shape and y.stride() == ref.stride()
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            assert y.shape == ref.shape and y.stride() == ref.stride() and y.dtype == ref.dtype
+            tol = 2e-2 if amp else 1e-5
+            torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
 
 
 def test_split_piece_and_clone_order():
