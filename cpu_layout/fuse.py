@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Dict
 
 import torch
 
@@ -212,11 +213,14 @@ def _kernelizable(n: ir.Node) -> bool:
     return _expr(n, probe) is not None
 
 
-def fuse_pointwise(g: ir.Graph) -> int:
-    """Replace element-wise chains by `ir.Kernel` nodes; returns how many kernels."""
+def pointwise_groups(g: ir.Graph) -> Dict[ir.Node, ir.Node]:
+    """The element-wise chains that become one kernel each: every node a kernel
+    can compute -> its chain's root, whose output the kernel writes. A node
+    joins its only user's chain unless it is a graph output or its sizes or
+    layout differ from the user's. Before planning (no layouts yet) this is what
+    the plan prices the chains by (`plan/ir_plan.py`)."""
     outputs = set(ir.values_of(g.output.values)) if g.output is not None else set()
-    group = {}
-    order = {n: i for i, n in enumerate(g.nodes)}
+    group: Dict[ir.Node, ir.Node] = {}
     for n in reversed(g.nodes):
         if not _kernelizable(n):
             continue
@@ -227,6 +231,13 @@ def fuse_pointwise(g: ir.Graph) -> int:
             group[n] = group[u]
         else:
             group[n] = n  # the root: its output is the group's output
+    return group
+
+
+def fuse_pointwise(g: ir.Graph) -> int:
+    """Replace element-wise chains by `ir.Kernel` nodes; returns how many kernels."""
+    group = pointwise_groups(g)
+    order = {n: i for i, n in enumerate(g.nodes)}
     members = {}
     for n, root in group.items():
         members.setdefault(root, []).append(n)

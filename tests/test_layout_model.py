@@ -47,6 +47,49 @@ def planned_copies(compiled_graphs):
     return sum(len(c.cpu_layout_graph.plan.executed_copies) for c in compiled_graphs)
 
 
+class Chains(nn.Module):
+    """Element-wise chains after a conv: one fuses whole (mul -> add -> relu),
+    one is cut where a value is also an output, one where a value has two readers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a = torch.relu(y * 0.5 + 1.0)
+        b = y - 2.0
+        c = torch.sigmoid(b) * 3.0
+        d = y * y
+        return a, b, c, d + d.exp()
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+def test_the_plan_prices_the_kernels_fusion_makes(cpp, compiled_graphs, monkeypatch):
+    from cpu_layout.plan import ir_plan
+
+    built = []
+    real = ir_plan.to_planner_graph
+
+    def spy(g, *args, **kwargs):
+        built.append(real(g, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(ir_plan, "to_planner_graph", spy)
+    model = Chains().eval()
+    x = torch.randn(1, 3, 10, 10)
+    ref, y, _ = compile_run(model, x, False, compiled_graphs, cpp=cpp)
+    for got, want in zip(y, ref):
+        assert_same(got, want, False)
+    (graph,) = [c.cpu_layout_graph for c in compiled_graphs]
+    nodes = [m for n in graph.nodes for m in (n.members if isinstance(n, ir.Segment) else [n])]
+    kernels = [n for n in nodes if isinstance(n, ir.Kernel)]
+    priced = [n for n in built[-1] if n.kind == "pointwise" and not n.fused_into_user]
+    assert len(kernels) == len(priced) and sum(k.members for k in kernels) == len(
+        [n for n in built[-1] if n.kind == "pointwise"]), [n.name for n in priced]
+    assert len(kernels) >= 4, "the output and the second reader cut chains"
+
+
 @pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
 # Dynamic shapes in fp32 only: autocast's casts change no copy, and CI time is shared.
 @pytest.mark.parametrize("amp,dynamic", [(False, False), (True, False), (False, True)],

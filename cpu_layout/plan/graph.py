@@ -103,9 +103,12 @@ class Conv(Node):
 class Pointwise(Node):
     """n-ary elementwise op with broadcasting (relu, add, mul, dtype casts, ...).
     `strided_reads`: it runs in a generated kernel, which reads an input in
-    another order in place (priced like the copy it replaces, never made)."""
+    another order in place (priced like the copy it replaces, never made).
+    `fused_into_user`: it is computed inside its user's kernel (fuse.py's
+    chains), so its result never goes through memory."""
     op: str = "pointwise"
     strided_reads: bool = False
+    fused_into_user: bool = False
     kind = "pointwise"
 
 

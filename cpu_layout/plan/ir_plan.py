@@ -10,7 +10,7 @@ from typing import Callable, Dict
 
 import torch
 
-from cpu_layout import ir
+from cpu_layout import fuse, ir
 from cpu_layout import layout as L
 from cpu_layout import op_table as T
 from cpu_layout.op_table import permutation_of
@@ -36,6 +36,7 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
     """`kernels`: element-wise nodes will run in generated kernels (else on ATen)."""
     pgraph = pg.Graph()
     known = set()
+    chains = fuse.pointwise_groups(g) if kernels else {}
 
     def tensors(bs):
         return tuple(b.name for b in dict.fromkeys(bs) if b.is_tensor and b.name in known)
@@ -74,7 +75,8 @@ def to_planner_graph(g: ir.Graph, kernels: bool = True) -> pg.Graph:
                         dilation=n.dilation, groups=n.groups, bias=n.bias is not None,
                         post_ops=tuple(n.post_op_template("add"))))
         elif isinstance(n, ir.Pointwise):
-            add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels))
+            add(pg.Pointwise(b.name, tensors(n.inputs), b.size, b.dtype, op=n.op, strided_reads=kernels,
+                             fused_into_user=chains.get(n, n) is not n))
         elif isinstance(n, ir.GroupNorm):  # its result in the order it reads x in
             add(pg.Pointwise(b.name, tensors([n.x]), b.size, b.dtype, op="group_norm"))
         elif isinstance(n, ir.Reduction):

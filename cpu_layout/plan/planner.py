@@ -355,22 +355,13 @@ def materialize(graph: Graph, assignment: Dict[str, str], cost_model: Optional[C
 _OTHER_KINDS = ("pointwise", "reduction", "concat", "batchnorm", "fallback", "linear")
 
 
-def _fuses_into_its_user(graph: Graph, node: Node) -> bool:
-    """Whether element-wise fusion (fuse.py, after planning) makes `node` part of
-    its user's kernel: a pointwise node whose only user is a pointwise node of
-    its size. Its result then never goes through memory."""
-    users = graph.consumers(node.name)
-    return (node.kind == "pointwise" and len(users) == 1 and graph[users[0]].kind == "pointwise"
-            and tuple(graph[users[0]].size) == tuple(node.size))
-
-
 def _other_cost(graph: Graph, cm: CostModel) -> float:
     """Modelled µs of every non-constant node the plan does not otherwise price;
     an element-wise chain as the one kernel it becomes (densenet121's BN-ReLU,
     three nodes, is one pass), vector math by its elements (efficientnet_b0's
     SiLU passes wait on the exp, not on memory)."""
     total = 0.0
-    fused_away = {node.name for node in graph if _fuses_into_its_user(graph, node)}
+    fused_away = {node.name for node in graph if getattr(node, "fused_into_user", False)}
     for node in graph:
         if node.kind not in _OTHER_KINDS or node.constant:
             continue
