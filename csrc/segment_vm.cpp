@@ -363,6 +363,7 @@ void Run::run(uintptr_t* out) {
     const int64_t t0 = prof ? now_ns() : 0, pc0 = pc;
     a_ = code + pc + 2;
     const int64_t* end = a_ + n;
+    pool_->at(pc);
     pc += 2 + n;
     switch (op) {
       case EXPECT: {  // reg es nd want[nd] name: the dtype, rank and static sizes compiled for
@@ -688,6 +689,9 @@ int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const
 }
 
 void cl_profile(int on) { clvm::g_profile.store(on ? 1 : 0); }
+
+long long cl_arena_takes(void) { return clw::g_arena_takes.load(); }
+void cl_arena_enable(int on) { clw::g_arena_on.store(on ? 1 : 0); }
 
 // Copies the counters into ns[]/count[] (opcode i at index i; index 0: whole
 // runs) and zeroes them; returns how many slots there are.

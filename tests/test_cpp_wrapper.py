@@ -467,6 +467,86 @@ def test_a_kernel_writes_over_a_dying_input(dtype, compiled_graphs, monkeypatch)
     assert sum(r < 0 for r in in_place) == 2, ("silu(u) and the output's kernel", seg.program.listing())
 
 
+class Pooled(nn.Module):
+    """Intermediates that die inside the segment (pooled storage): convs,
+    a gate, a residual; the input read channels-last through a conversion."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.c3 = nn.Conv2d(16, 32, 1)
+        self.c4 = nn.Conv2d(32, 8, 1)
+
+    def forward(self, x):
+        a = F.relu(self.c1(x))
+        b = torch.sigmoid(self.c2(a)) * a
+        c = F.relu(self.c3(b))
+        return self.c4(c) + b[:, :8]
+
+
+def _same_as_eager(y, ref, amp):
+    assert y.shape == ref.shape and y.stride() == ref.stride() and y.dtype == ref.dtype
+    tol = 3e-2 if amp else 1e-4
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_pooled_buffers_come_from_an_arena_after_the_first_call(amp, mode):
+    from cpu_layout.codegen import program
+
+    torch.manual_seed(0)
+    model = Pooled().eval()
+    fn = compile_cpp(model)
+    grad = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    xs = [torch.randn(2, 3, 24, 24) for _ in range(3)]
+    with grad, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        first = fn(xs[0])  # laid out from this call
+        kept = first.clone()
+        before = program.arena_takes()
+        for x in xs * 2:
+            _same_as_eager(fn(x), model(x), amp)
+        assert program.arena_takes() - before >= 6, "every later call takes arena buffers"
+        assert torch.equal(first, kept), "a result is never arena storage"
+        program.set_arenas(False)
+        try:
+            fn(xs[1])  # switches at the end of this call
+            before = program.arena_takes()
+            for x in xs:
+                _same_as_eager(fn(x), model(x), amp)
+            assert program.arena_takes() == before
+        finally:
+            program.set_arenas(True)
+        fn(xs[2])  # switches at its end
+        fn(xs[1])  # laid out from this call
+        before = program.arena_takes()
+        _same_as_eager(fn(xs[0]), model(xs[0]), amp)
+        assert program.arena_takes() > before, "laid out again once switched back on"
+
+
+def test_calls_that_differ_from_the_arenas_first_call_take_blocks():
+    """Other sizes (a dynamic batch) and other input strides (no conversion
+    copy) allocate differently from the call the arena was laid out from:
+    such a call takes blocks from its first difference on, and two of them in
+    a row lay the arena out again."""
+    from cpu_layout.codegen import program
+
+    torch.manual_seed(0)
+    model = Pooled().eval()
+    fn = compile_cpp(model, dynamic=True)
+    nchw = [torch.randn(n, 3, 20, 20) for n in (2, 3, 2, 2, 3, 3, 3)]
+    with torch.no_grad():
+        for x in nchw + [x.contiguous(memory_format=torch.channels_last) for x in nchw]:
+            _same_as_eager(fn(x), model(x), False)
+        x = torch.randn(5, 3, 20, 20)
+        for _ in range(3):  # two that differ, then one laid out from
+            _same_as_eager(fn(x), model(x), False)
+        before = program.arena_takes()
+        _same_as_eager(fn(x), model(x), False)
+        assert program.arena_takes() > before
+
+
 def test_segments_run_concurrently_from_several_threads(compiled_graphs):
     from concurrent.futures import ThreadPoolExecutor
 

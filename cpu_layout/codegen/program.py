@@ -47,6 +47,8 @@ void cl_program_free(void* prog);
 void cl_program_take_profile(void* prog, int64_t* ns, int64_t n);
 long long cl_layout_copies(void);
 void cl_profile(int on);
+long long cl_arena_takes(void);
+void cl_arena_enable(int on);
 int64_t cl_profile_take(int64_t* ns, int64_t* count, int64_t n);
 void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);
 """
@@ -81,6 +83,18 @@ def runtime() -> build.Library:
 def set_profiling(on: bool) -> None:
     """Time every instruction the segment runtime runs, in every program of the process."""
     runtime().lib.cl_profile(1 if on else 0)
+
+
+def arena_takes() -> int:
+    """Buffers segments have taken from their arenas so far (csrc/cl_wrapper.h, Pool)."""
+    return int(runtime().lib.cl_arena_takes())
+
+
+def set_arenas(on: bool) -> None:
+    """Whether segments serve their buffers from arenas laid out from a first
+    call (the default) or from size-classed blocks only; a segment switches at
+    the end of its next call. For measurements."""
+    runtime().lib.cl_arena_enable(1 if on else 0)
 
 
 def take_profile() -> dict:
