@@ -169,10 +169,7 @@ class MeasuredCostModel(CostModel):
         if got is None:
             t0 = time.perf_counter()
             try:
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-                with unset_fake_temporarily():
-                    got = [copy_us_per_byte(dtype)]
+                got = [_on_real_tensors(copy_us_per_byte, dtype)]
             except Exception:  # noqa: BLE001 - the table's rate then
                 return None
             self._spent += time.perf_counter() - t0
@@ -263,10 +260,16 @@ def _measure(conv, rounds: int = 5):
     on torch's bundled oneDNN when it can run the conv, and for a grouped conv
     in NHWC on oneDNN's next implementation when there is another (else None),
     interleaved."""
+    return _on_real_tensors(_measure_real, conv, rounds)
+
+
+def _on_real_tensors(fn, *args):
+    """fn(*args) outside Dynamo's fake tensor mode: compiles run under it, and a
+    measurement times real tensors."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():  # compiles run under Dynamo's fake tensors: time real ones
-        return _measure_real(conv, rounds)
+    with unset_fake_temporarily():
+        return fn(*args)
 
 
 def _measure_real(conv, rounds):
