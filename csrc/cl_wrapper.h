@@ -284,13 +284,12 @@ class Pool {
   // Call ends: what no allocation took in this call is freed; the first call's
   // record becomes the arena.
   void end_call() {
-    if (!arena_on_) {
-    } else if (!replaying_) {
+    if (arena_on_ && !replaying_) {
       lay_out();
-    } else if (diverged_ || k_ != trace_.size()) {
-      if (++diverged_calls_ >= 2) forget_arena();
-    } else {
-      diverged_calls_ = 0;
+    } else if (arena_on_) {
+      const bool repeated = !diverged_ && k_ == trace_.size();
+      diverged_calls_ = repeated ? 0 : diverged_calls_ + 1;
+      if (diverged_calls_ >= 2) forget_arena();
     }
     live_.clear();
     k_ = 0;
@@ -339,16 +338,17 @@ class Pool {
   void lay_out() {
     struct Range { int64_t off, size, when, hot; };  // hot: where the last piece released starts
     std::vector<Range> free;  // by offset
-    std::vector<int64_t> size(next_id_, 0);
+    std::vector<char> came_back((size_t)next_id_, 0);
+    std::vector<int64_t> size((size_t)next_id_, 0);  // bytes in the arena
     offset_.assign((size_t)next_id_, -1);
     for (const Event& e : trace_)
-      if (e.bytes == 0) size[(size_t)e.id] = 1;  // came back
+      if (e.bytes == 0) came_back[(size_t)e.id] = 1;
     int64_t top = 0;
     for (size_t i = 0; i < trace_.size(); ++i) {
       const Event& e = trace_[i];
       const size_t id = (size_t)e.id;
       if (e.bytes > 0) {
-        if (!size[id]) continue;
+        if (!came_back[id]) continue;
         const int64_t need = (e.bytes + 63) / 64 * 64;  // every buffer 64-byte aligned
         size[id] = need;
         size_t best = free.size();
