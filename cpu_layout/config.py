@@ -76,3 +76,11 @@ def cache_dir() -> str:
         return os.path.abspath(os.path.expanduser(d))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "cpu_layout")
+
+
+def arenas() -> bool:
+    """CPU_LAYOUT_ARENAS=0: C++ segments keep their buffers in size-classed blocks
+    instead of one arena laid out from their first call (less memory held, up to
+    the 1.5x an arena can take; slower where large buffers are reused). Read when
+    the segment runtime loads."""
+    return os.environ.get("CPU_LAYOUT_ARENAS", "1").strip().lower() not in ("0", "false", "no", "off")

@@ -547,6 +547,33 @@ def test_calls_that_differ_from_the_arenas_first_call_take_blocks():
         assert program.arena_takes() > before
 
 
+def test_arenas_can_be_switched_off_from_the_environment(tmp_path):
+    """CPU_LAYOUT_ARENAS=0 (read when the runtime loads, so in a process of its
+    own): every call takes blocks, and the values are eager's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_arenas.py"
+    script.write_text(
+        "import torch\n"
+        "from tests.test_cpp_wrapper import Pooled, compile_cpp\n"
+        "from cpu_layout.codegen import program\n"
+        "torch.manual_seed(0)\n"
+        "model = Pooled().eval()\n"
+        "fn = compile_cpp(model)\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(4):\n"
+        "        x = torch.randn(2, 3, 24, 24)\n"
+        "        torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)\n"
+        "print('arena takes', program.arena_takes())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "CPU_LAYOUT_ARENAS": "0", "PYTHONPATH": root}
+    got = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=600)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "arena takes 0" in got.stdout, got.stdout
+
+
 def test_segments_run_concurrently_from_several_threads(compiled_graphs):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from cpu_layout import build, ir, ops
+from cpu_layout import build, config, ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
 from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of, pool_args, shape_exprs
@@ -68,6 +68,7 @@ def _build_runtime() -> build.Library:
 
     lib.lib.cl_segment_init(addr("cl_conv_forward"), addr("cl_last_error"),
                             addr("cl_copy_strided"), addr("cl_channel_shuffle"))
+    lib.lib.cl_arena_enable(1 if config.arenas() else 0)
     return lib
 
 
