@@ -3,7 +3,13 @@ import os
 
 
 def _flag(name: str) -> bool:
+    """An opt-in switch: on only when set to 1/true/yes/on."""
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _unless_off(name: str) -> bool:
+    """An opt-out switch: on unless set to 0/false/no/off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def debug() -> bool:
@@ -24,7 +30,7 @@ def profile() -> bool:
 
 def autotune() -> bool:
     """CPU_LAYOUT_AUTOTUNE=0: conv layouts priced from the shipped table, not timed here."""
-    return os.environ.get("CPU_LAYOUT_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _unless_off("CPU_LAYOUT_AUTOTUNE")
 
 
 def autotune_budget() -> float:
@@ -56,7 +62,7 @@ def conv_impl() -> str:
 def pin_threads() -> bool:
     """CPU_LAYOUT_PIN_THREADS=0: leave OpenMP's worker threads where the OS puts
     them (default: pinned one per CPU, the calling thread free; threads.pin_workers)."""
-    return os.environ.get("CPU_LAYOUT_PIN_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _unless_off("CPU_LAYOUT_PIN_THREADS")
 
 
 def cpp_wrapper_default() -> bool:
@@ -83,4 +89,4 @@ def arenas() -> bool:
     instead of one arena laid out from their first call (less memory held, up to
     the 1.5x an arena can take; slower where large buffers are reused). Read when
     the segment runtime loads."""
-    return os.environ.get("CPU_LAYOUT_ARENAS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _unless_off("CPU_LAYOUT_ARENAS")
