@@ -16,6 +16,9 @@ median latency of
              no Dynamo per call (static shapes only)
   ov         OpenVINO's CPU plugin (ov.convert_model + ov.compile_model; fp32 input,
              INFERENCE_PRECISION_HINT bf16 for amp, bfloat16; benchmark.OpenVINOCompiled)
+  ovdyn      the same OpenVINO model run by a Dynamo backend under torch.compile: what
+             OpenVINO would measure through torch.compile's per-call share (guards,
+             parameters gathered as inputs), the peer of cpl and cplcpp
 timed in interleaved rounds in the same process (so machine noise hits all alike),
 speedups vs eager, vs frz and (cpl, cplcpp) vs ov, compile time (first call minus a
 median call) of each compiled backend, and a check of every compiled output against
@@ -87,12 +90,15 @@ VARIANTS = {
     # OpenVINO called directly, not through torch.compile(backend="openvino"), which fails
     # on torch 2.13 (see cpu_layout.benchmark.OpenVINOCompiled)
     "ov": ("openvino", False, "default"),
+    "ovdyn": ("openvino_dynamo", False, "default"),
 }
-COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "cplexp", "ov")
+COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "cplexp", "ov", "ovdyn")
 OURS = ("cpl", "cplcpp", "cplexp")
 # Comparisons printed under the table: (ours, theirs, what kind of comparison).
 PAIRS = (("cpl", "frzpy", "same kind of wrapper"), ("cplcpp", "frz", "same kind of wrapper"),
-         ("cpl", "ov", "OpenVINO"), ("cplcpp", "ov", "OpenVINO"), ("cplexp", "ov", "OpenVINO"))
+         ("cpl", "ov", "OpenVINO"), ("cplcpp", "ov", "OpenVINO"), ("cplexp", "ov", "OpenVINO"),
+         ("cplcpp", "ovdyn", "OpenVINO, both through torch.compile's frame"),
+         ("ovdyn", "ov", "torch.compile's per-call share, on OpenVINO's compute"))
 # --models all for the real suites: common classification CNNs.
 SUITE_ALL = {
     "torchvision": ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0",
@@ -167,13 +173,13 @@ def run_config(name, dtype, shape, variants, args):
             ref = out
             res["fp64"] = B.fp64_reference(model, x)
         elif ref is not None:
-            if label == "ov" and isinstance(ref, torch.Tensor):
+            if label in ("ov", "ovdyn") and isinstance(ref, torch.Tensor):
                 out = out.to(ref.dtype)  # OpenVINO returns fp32; eager's amp/bf16 output is bf16
             if not B.values_match(ref, out, res.get("fp64"), dtype):
                 res["flags"].append(f"{label}:values")
                 res["reasons"].append(f"{label}: {name}, AccuracyError: "
                                       f"{B.describe_error(ref, out, res.get('fp64'), dtype)}")
-            if label not in ("eager_cl", "ov") and not B.strides_match(ref, out):
+            if label not in ("eager_cl", "ov", "ovdyn") and not B.strides_match(ref, out):
                 res["flags"].append(f"{label}:strides")
                 res["reasons"].append(f"{label}: {name}, strides differ: {B.stride_report(ref, out)}")
         for w in c.fallback_warnings:

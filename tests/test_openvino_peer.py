@@ -28,3 +28,34 @@ def test_values_and_layer_counters_come_from_separate_compiles():
     counted = ov.layer_profile(x, iters=2)
     assert any(k.startswith("Convolution ") for k in counted)
     assert ov._ov_model is timed and ov.compiles == 1, "the timed model never counts"
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_openvino_through_torch_compile_runs_openvino_on_the_user_input(grad_mode):
+    """The ovdyn column: Dynamo's frame around OpenVINO's compute, one compile,
+    every call through the backend, values as eager's."""
+    model, x = _net(), torch.randn(2, 3, 16, 16)
+    c = B.compile_model(model, "openvino_dynamo", "float32")
+    other = x * -2.0  # another input's values: not the first call's served again
+    with grad_mode():
+        want = model(x)
+        c.first_call(x)
+        c.mark()
+        for xi in (x, other):
+            torch.testing.assert_close(c(xi), model(xi), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c.first_output, want, rtol=1e-4, atol=1e-4)
+    assert c.compiles == 1
+    c.check_own_code(expected_calls=2)
+
+
+def test_openvino_through_torch_compile_refuses_what_it_cannot_measure():
+    with pytest.raises(B.NotSupportedYet, match="static shapes"):
+        B.compile_model(_net(), "openvino_dynamo", "float32", dynamic=True)
+
+    class TwoInputs(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    c = B.compile_model(TwoInputs(), "openvino_dynamo", "float32")
+    with torch.no_grad(), pytest.raises(Exception, match="2 user inputs"):
+        c.fn(torch.ones(2), torch.ones(2))
