@@ -288,7 +288,9 @@ class OpenVINOCompiled(Compiled):
     def _compile(self, x: torch.Tensor, **extra):
         import openvino as ov
 
-        with torch.no_grad():  # no autocast: OpenVINO converts the fp32 graph
+        # OpenVINO converts the fp32 graph: no autocast, which a caller (openvino_dynamo's
+        # first call runs inside the autocast region) may have on
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             m = ov.convert_model(self.model, example_input=x)
         m.reshape([-1 if self.dynamic else x.shape[0], *x.shape[1:]])
         cfg = {"INFERENCE_PRECISION_HINT": "f32" if self.dtype == "float32" else "bf16",
