@@ -4,9 +4,10 @@ import shutil
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-# Sources of the segment runtime (cpu_layout/codegen/program.py builds it on
-# first use); an installed (non-editable) package finds them in cpu_layout/csrc/.
-RUNTIME_HEADERS = ("cl_api.h", "cl_wrapper.h", "segment_vm.cpp")
+# Sources compiled at run time: the segment runtime (cpu_layout/codegen/program.py
+# builds it on first use) and the generated kernels' preamble (codegen/cpp_kernels.py);
+# an installed (non-editable) package finds them in cpu_layout/csrc/.
+RUNTIME_HEADERS = ("cl_api.h", "cl_wrapper.h", "segment_vm.cpp", "cl_kernels.h")
 
 
 class BuildPyWithHeaders(build_py):
