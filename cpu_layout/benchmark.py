@@ -329,8 +329,9 @@ def _openvino_in_dynamo(model: torch.nn.Module, dtype: str, dynamic: bool, reset
     OpenVINO's compiled model (openvino) on the graph's one user input. A call pays
     what torch.compile adds to any backend (guard evaluation over the module's
     state, gathering the parameters as graph inputs: about 1 ms of regnet_y_800mf's
-    13 ms at batch 1, 1 thread on a Sapphire Rapids-class Xeon) around the same OpenVINO compute: the apples-to-apples peer
-    of cpu_layout through torch.compile, as `openvino` is of compile_exported."""
+    13 ms at batch 1, 1 thread, Sapphire Rapids-class Xeon) around the same
+    OpenVINO compute: the like-for-like peer of cpu_layout through torch.compile,
+    as `openvino` is of compile_exported."""
     if dynamic or dtype == "bfloat16":
         raise NotSupportedYet("openvino_dynamo: static shapes, float32 or amp input (OpenVINO "
                               "reads fp32 numpy arrays)")
