@@ -28,7 +28,7 @@ enum Op : int64_t {
   EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
   REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
   MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
-  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, N_OPS
+  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, OUT_EAGER, N_OPS
 };
 
 // Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
@@ -597,6 +597,25 @@ void Run::run(uintptr_t* out) {
       }
       case CHECK: { const int64_t r = A(), cl = A(); clw::check_order(R(r), cl != 0, S(A()).c_str()); break; }
       case OUT: { const int64_t j = A(), r = A(); out[j] = (uintptr_t)reg(r).h.release(); break; }
+      case OUT_EAGER: {  // j r nd stride[nd]: a graph output, given eager's strides for its size-1
+        // dims (which address nothing) when every other dim already has them; as it is otherwise.
+        // Python's restride would make that alias per call, 30-40 us after a forward.
+        const int64_t j = A(), r = A(), nd = A();
+        const int64_t* want = P(nd);
+        H& h = reg(r).h;
+        if (clw::dim(h) == nd) {
+          const int64_t *sz = clw::sizes(h), *st = clw::strides(h);
+          bool others_equal = true, differs = false;
+          for (int64_t i = 0; i < nd; ++i) {
+            if (st[i] == want[i]) continue;
+            if (sz[i] == 1) differs = true;
+            else others_equal = false;
+          }
+          if (others_equal && differs) h = clw::alias(h, (int)nd, sz, want);
+        }
+        out[j] = (uintptr_t)h.release();
+        break;
+      }
       case ATEN_CONV: {  // out x w b pad[2] stride[2] dil[2] groups attr n scalar_reals[n] alg msg
         const int64_t o = A(), x = A(), w = A(), b = A();
         const int64_t *pad = P(2), *st = P(2), *dl = P(2);

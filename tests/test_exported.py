@@ -135,6 +135,34 @@ def test_a_call_leaves_no_cyclic_garbage():
             f([x])  # a list is a pytree node, not a tensor: the general path checks it
 
 
+@pytest.mark.parametrize("amp", [False, True])
+def test_segments_hand_outputs_over_with_eager_strides(amp):
+    """A classifier at batch 1 ends in a linear run as a 1x1 conv: its [1, 10]
+    result is a view whose size-1 dim has another stride than eager's. The
+    segment hands it over with eager's (OUT_EAGER), so the wrapper's restride
+    finds them equal instead of making an alias per call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 10)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        f = cpu_layout.compile_exported(export(model, x, amp=amp), {"cpp_wrapper": True})
+    env = f._call.__globals__
+    handed = []
+    real = env["restride"]
+
+    def spy(t, order, want=None):
+        handed.append((t.stride(), want))
+        return real(t, order, want)
+
+    env["restride"] = spy
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        for _ in range(2):
+            y = f(x)
+            assert_matches(y, model(x), amp=amp)
+    assert handed == [((10, 1), (10, 1))] * 2
+
+
 def test_with_grad_enabled_it_runs_without_an_autograd_graph():
     model = conv_bn()
     x = torch.randn(2, 3, 16, 16)

@@ -46,8 +46,9 @@ aten = torch.ops.aten
 # ---- segment programs ------------------------------------------------------------------
 
 def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node],
-                    debug: bool) -> P.Program:
-    """The segment as a program for the segment runtime (codegen/program.py)."""
+                    debug: bool, eager_strides: Dict[ir.Buffer, tuple]) -> P.Program:
+    """The segment as a program for the segment runtime (codegen/program.py).
+    `eager_strides`: the graph outputs with static sizes, and eager's strides for each."""
     outs, consts = seg.outs, seg.consts
     prog = P.Program()
     em = P.SegmentEncoder(prog, kernels, consts, outs, last_use)
@@ -95,7 +96,11 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
             if last_use.get(b) is m and b in em.reg and b not in outset and b not in consts:
                 em.release(b)
     for j, b in enumerate(outs):
-        prog.op("OUT", j, em.reg[b])
+        want = eager_strides.get(b)
+        if want is None:
+            prog.op("OUT", j, em.reg[b])
+        else:
+            prog.op("OUT_EAGER", j, em.reg[b], len(want), want)
     return prog
 
 
@@ -141,12 +146,13 @@ def build(g: ir.Graph, bind, debug: bool = False):
     runners the Python wrapper (codegen.wrapper) needs."""
 
     part = segments.partition(g)
+    eager_strides = wrapper.static_output_strides(g)
     # Each segment as a program for the segment runtime; the graph's kernels are compiled below.
     kernels = {}
     for seg in part.segments:
         kernels.update(zip(*specs.generated(seg.members)))
     for seg in part.segments:
-        seg.program = _encode_segment(seg, kernels, part.last_use, debug)
+        seg.program = _encode_segment(seg, kernels, part.last_use, debug, eager_strides)
         if config.log_enabled("program"):
             print(f"{seg.name}: {len(seg.members)} nodes\n{seg.program.listing()}", file=sys.stderr)
     pro_node = segments.assemble(g, part)

@@ -79,6 +79,18 @@ def _canonical_eager_order(b: ir.Buffer):
                  if L.same_sizes(L.strides_for_order(b.size, p), b.eager_stride)), None)
 
 
+def static_output_strides(g: ir.Graph) -> Dict[ir.Buffer, tuple]:
+    """Eager's strides of each graph output with static sizes that is dense in
+    some order (what `restride` is given). Segments hand these outputs over with
+    eager's strides on their size-1 dims (OUT_EAGER), so restride finds them equal."""
+    out = {}
+    for v in g.output.values if g.output is not None else ():
+        order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) else None
+        if order and all(type(d) is int for d in v.size):
+            out[v] = tuple(L.strides_for_order(v.size, order))
+    return out
+
+
 def profile_kind(n: ir.Node) -> str:
     """What a node's time counts as in a profile (CPU_LAYOUT_PROFILE)."""
     if isinstance(n, ir.Conv):
@@ -151,13 +163,14 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
             names[b] = converted[key]
         if isinstance(n, ir.Output):
             vals = []
+            static = static_output_strides(g)
             for v in n.values:
                 text = em.render(v, names)
                 order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) and not raw_outputs else None
-                if order and all(type(d) is int for d in v.size):
+                if order and v in static:
                     # The strides computed now: per call only one comparison (output sizes are
                     # static here; the formula is 13 us of Python once a forward evicted it).
-                    vals.append(f"restride({text}, {order!r}, {tuple(L.strides_for_order(v.size, order))!r})")
+                    vals.append(f"restride({text}, {order!r}, {static[v]!r})")
                 else:
                     vals.append(f"restride({text}, {order!r})" if order else text)
             em.emit("return (" + "".join(f"{v}, " for v in vals) + ")")
