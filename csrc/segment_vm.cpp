@@ -597,21 +597,19 @@ void Run::run(uintptr_t* out) {
       }
       case CHECK: { const int64_t r = A(), cl = A(); clw::check_order(R(r), cl != 0, S(A()).c_str()); break; }
       case OUT: { const int64_t j = A(), r = A(); out[j] = (uintptr_t)reg(r).h.release(); break; }
-      case OUT_EAGER: {  // j r nd stride[nd]: a graph output, given eager's strides for its size-1
-        // dims (which address nothing) when every other dim already has them; as it is otherwise.
-        // Python's restride would make that alias per call, 30-40 us after a forward.
+      case OUT_EAGER: {  // j r nd perm[nd]: a graph output dense in eager's order, handed over with
+        // torch's strides for that order on its size-1 dims too (they address nothing; a view
+        // may have given them others). Python's restride would make that alias per call,
+        // 30-40 us after a forward. Not dense in that order: as it is (restride converts it).
         const int64_t j = A(), r = A(), nd = A();
-        const int64_t* want = P(nd);
+        int perm[16];
+        read_perm(nd, perm);
         H& h = reg(r).h;
-        if (clw::dim(h) == nd) {
-          const int64_t *sz = clw::sizes(h), *st = clw::strides(h);
-          bool others_equal = true, differs = false;
-          for (int64_t i = 0; i < nd; ++i) {
-            if (st[i] == want[i]) continue;
-            if (sz[i] == 1) differs = true;
-            else others_equal = false;
-          }
-          if (others_equal && differs) h = clw::alias(h, (int)nd, sz, want);
+        const int64_t *sz = clw::sizes(h), *st = clw::strides(h);
+        if (clw::dim(h) == nd && clw::dense_in_perm((int)nd, sz, st, perm)) {
+          int64_t want[16];
+          clw::perm_strides((int)nd, sz, perm, want);
+          if (!std::equal(st, st + nd, want)) h = clw::alias(h, (int)nd, sz, want);
         }
         out[j] = (uintptr_t)h.release();
         break;

@@ -46,9 +46,9 @@ aten = torch.ops.aten
 # ---- segment programs ------------------------------------------------------------------
 
 def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node],
-                    debug: bool, eager_strides: Dict[ir.Buffer, tuple]) -> P.Program:
+                    debug: bool, eager_orders: Dict[ir.Buffer, object]) -> P.Program:
     """The segment as a program for the segment runtime (codegen/program.py).
-    `eager_strides`: the graph outputs with static sizes, and eager's strides for each."""
+    `eager_orders`: graph outputs and the order eager's strides are dense in."""
     outs, consts = seg.outs, seg.consts
     prog = P.Program()
     em = P.SegmentEncoder(prog, kernels, consts, outs, last_use)
@@ -96,11 +96,11 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
             if last_use.get(b) is m and b in em.reg and b not in outset and b not in consts:
                 em.release(b)
     for j, b in enumerate(outs):
-        want = eager_strides.get(b)
-        if want is None:
+        order = eager_orders.get(b)
+        if order is None:
             prog.op("OUT", j, em.reg[b])
         else:
-            prog.op("OUT_EAGER", j, em.reg[b], len(want), want)
+            prog.op("OUT_EAGER", j, em.reg[b], b.rank, L.order_of(order, b.rank))
     return prog
 
 
@@ -146,13 +146,13 @@ def build(g: ir.Graph, bind, debug: bool = False):
     runners the Python wrapper (codegen.wrapper) needs."""
 
     part = segments.partition(g)
-    eager_strides = wrapper.static_output_strides(g)
+    eager_orders = wrapper.output_orders(g)
     # Each segment as a program for the segment runtime; the graph's kernels are compiled below.
     kernels = {}
     for seg in part.segments:
         kernels.update(zip(*specs.generated(seg.members)))
     for seg in part.segments:
-        seg.program = _encode_segment(seg, kernels, part.last_use, debug, eager_strides)
+        seg.program = _encode_segment(seg, kernels, part.last_use, debug, eager_orders)
         if config.log_enabled("program"):
             print(f"{seg.name}: {len(seg.members)} nodes\n{seg.program.listing()}", file=sys.stderr)
     pro_node = segments.assemble(g, part)

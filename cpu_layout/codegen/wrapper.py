@@ -79,15 +79,15 @@ def _canonical_eager_order(b: ir.Buffer):
                  if L.same_sizes(L.strides_for_order(b.size, p), b.eager_stride)), None)
 
 
-def static_output_strides(g: ir.Graph) -> Dict[ir.Buffer, tuple]:
-    """Eager's strides of each graph output with static sizes that is dense in
-    some order (what `restride` is given). Segments hand these outputs over with
-    eager's strides on their size-1 dims (OUT_EAGER), so restride finds them equal."""
+def output_orders(g: ir.Graph) -> Dict[ir.Buffer, object]:
+    """Each graph output dense in some order in eager: that order, whose dense
+    strides are eager's (`restride` gives them; segments hand such outputs over
+    with them already, OUT_EAGER)."""
     out = {}
     for v in g.output.values if g.output is not None else ():
         order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) else None
-        if order and all(type(d) is int for d in v.size):
-            out[v] = tuple(L.strides_for_order(v.size, order))
+        if order:
+            out[v] = order
     return out
 
 
@@ -163,14 +163,14 @@ def generate(g: ir.Graph, runners: Dict[ir.Node, object], debug: bool = False,
             names[b] = converted[key]
         if isinstance(n, ir.Output):
             vals = []
-            static = static_output_strides(g)
+            orders = {} if raw_outputs else output_orders(g)
             for v in n.values:
                 text = em.render(v, names)
-                order = _canonical_eager_order(v) if isinstance(v, ir.Buffer) and not raw_outputs else None
-                if order and v in static:
+                order = orders.get(v) if isinstance(v, ir.Buffer) else None
+                if order and all(type(d) is int for d in v.size):
                     # The strides computed now: per call only one comparison (output sizes are
                     # static here; the formula is 13 us of Python once a forward evicted it).
-                    vals.append(f"restride({text}, {order!r}, {static[v]!r})")
+                    vals.append(f"restride({text}, {order!r}, {tuple(L.strides_for_order(v.size, order))!r})")
                 else:
                     vals.append(f"restride({text}, {order!r})" if order else text)
             em.emit("return (" + "".join(f"{v}, " for v in vals) + ")")
