@@ -23,7 +23,7 @@ Backends
   openvino           OpenVINO's CPU plugin, outside Dynamo (OpenVINOCompiled): the fp32
                      model through ov.convert_model + ov.compile_model, called on numpy.
   openvino_dynamo    the same OpenVINO model called from a Dynamo backend under torch.compile
-                     (_openvino_in_dynamo): OpenVINO's compute plus torch.compile's per-call
+                     (_openvino_graph_runner): OpenVINO's compute plus torch.compile's per-call
                      share, which every backend pays.
 
 Every compiled backend is wrapped in a distinct counting callable: Dynamo cannot
@@ -323,41 +323,25 @@ def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOComp
     return OpenVINOCompiled("openvino", dtype, dynamic, "default", False, m, fn=m)
 
 
-def _openvino_in_dynamo(model: torch.nn.Module, dtype: str, dynamic: bool, reset: bool,
-                        guard_filter_fn: Optional[Callable]) -> Compiled:
-    """torch.compile(model) with a backend that ignores Dynamo's graph and runs
-    OpenVINO's compiled model (openvino) on the graph's one user input. A call pays
-    what torch.compile adds to any backend (guard evaluation over the module's
-    state, gathering the parameters as graph inputs: about 1 ms of regnet_y_800mf's
-    13 ms at batch 1, 1 thread, Sapphire Rapids-class Xeon) around the same
-    OpenVINO compute: the like-for-like peer of cpu_layout through torch.compile,
-    as `openvino` is of compile_exported."""
-    if dynamic or dtype == "bfloat16":
-        raise NotSupportedYet("openvino_dynamo: static shapes, float32 or amp input (OpenVINO "
-                              "reads fp32 numpy arrays)")
-    ov_c = _openvino(model, dtype, dynamic)
-    c = Compiled("openvino_dynamo", dtype, dynamic, "default", False, ov_c.model, fn=ov_c.model)
+def _openvino_graph_runner(model: torch.nn.Module, dtype: str):
+    """The `openvino_dynamo` backend: ignores Dynamo's graph and runs OpenVINO's
+    compiled model (openvino) on the graph's one user input. A call pays what
+    torch.compile adds to any backend (guard evaluation over the module's state,
+    gathering the parameters as graph inputs: about 1 ms of regnet_y_800mf's 13 ms
+    at batch 1, 1 thread, Sapphire Rapids-class Xeon) around the same OpenVINO
+    compute: the like-for-like peer of cpu_layout through torch.compile, as
+    `openvino` is of compile_exported."""
+    ov_c = _openvino(model, dtype, False)
+    state = {id(t) for t in model.state_dict(keep_vars=True).values()}
 
-    state = {id(t) for t in ov_c.model.state_dict(keep_vars=True).values()}
-
-    def backend(gm, example_inputs, **kwargs):
-        c.compiles += 1
+    def inner(gm, example_inputs):
         user = [i for i, t in enumerate(example_inputs) if id(t) not in state]
         if len(user) != 1 or len(gm.graph.output_node().args[0]) != 1:
             raise NotSupportedYet(f"openvino_dynamo: a graph with {len(user)} user inputs "
                                   f"(one input, one output only)")
         pos = user[0]
-
-        def run(*flat):
-            c.runs += 1
-            return (ov_c(flat[pos]),)
-        return run
-
-    if reset:
-        torch._dynamo.reset()
-    c.fn = torch.compile(ov_c.model, backend=backend, dynamic=False,
-                         options={"guard_filter_fn": guard_filter_fn} if guard_filter_fn else None)
-    return c
+        return lambda *flat: (ov_c(flat[pos]),)
+    return inner
 
 
 @dataclasses.dataclass
@@ -399,7 +383,9 @@ def _exported(model, dtype, dynamic, wrapper, channels_last, options) -> Exporte
 
 def _backend_callable(c: Compiled, backend: str, wrapper: str, options: Optional[dict]):
     """The compiler Dynamo calls: counts compiles, wraps the result to count runs."""
-    if backend == "cpu_layout":
+    if backend == "openvino_dynamo":
+        inner = _openvino_graph_runner(c.model, c.dtype)
+    elif backend == "cpu_layout":
         inner_backend = torch._dynamo.lookup_backend("cpu_layout")  # the entry point
         opts = _cpu_layout_options(options, wrapper)
 
@@ -476,8 +462,9 @@ def compile_model(model: torch.nn.Module, backend: str, dtype: str = "float32",
             raise NotSupportedYet(cpp_not_supported_message(reason))
     if backend == "openvino":
         return _openvino(model, dtype, dynamic)
-    if backend == "openvino_dynamo":
-        return _openvino_in_dynamo(model, dtype, dynamic, reset, guard_filter_fn)
+    if backend == "openvino_dynamo" and (dynamic or dtype == "bfloat16"):
+        raise NotSupportedYet("openvino_dynamo: static shapes, float32 or amp input (OpenVINO "
+                              "reads fp32 numpy arrays)")
     if backend == "cpu_layout_export":
         return _exported(model, dtype, dynamic, wrapper, channels_last, options)
     m = prepare_model(model, dtype, channels_last)
