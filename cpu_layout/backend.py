@@ -49,7 +49,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
     """Lower, fuse, plan and generate the wrapper for one inference graph.
     `param_indices`: inputs that are module state (parameters, buffers, constants);
     by default aot_autograd's static inputs."""
-    from cpu_layout import fuse, lower, schedule, threads
+    from cpu_layout import fuse, lower, quant, schedule, threads
     from cpu_layout.codegen import wrapper
 
     threads.check_wait_policy()
@@ -57,6 +57,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
     t0 = time.perf_counter()
     if param_indices is None:
         param_indices = _static_input_indices(len(example_inputs))
+    if quant.rewrite(gm, param_indices):  # PT2E's int8 patterns onto int8 kernels, before lowering
+        gm.graph.lint()
     g = lower.lower(gm, param_indices)
     debug = bool(options.get("debug", config.debug()))
     cpp = _wants_cpp_wrapper(options)

@@ -92,7 +92,7 @@ ffibuilder.set_source(
     "cpu_layout._dnnl",
     '#include <stdint.h>\nextern "C" {\n#include "cl_api.h"\n}\n',
     source_extension=".cpp",
-    sources=[os.path.relpath(os.path.join(HERE, f)) for f in ("conv.cpp", "winograd.cpp", "shuffle.cpp", "threads.cpp")],
+    sources=[os.path.relpath(os.path.join(HERE, f)) for f in ("conv.cpp", "qconv.cpp", "qpool.cpp", "winograd.cpp", "shuffle.cpp", "threads.cpp")],
     # oneDNN's include dir first, so no other copy of its headers can win.
     include_dirs=[inc_dir, HERE],
     library_dirs=[lib_dir],

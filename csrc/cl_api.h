@@ -95,6 +95,63 @@ int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight,
                     unsigned long long weight_id, long long weight_version,
                     uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
 
+/* ---- int8 convolution (csrc/qconv.cpp) ----
+ * PT2E's dequantize -> conv -> post-ops -> quantize as one oneDNN primitive:
+ * src u8/s8 with a per-tensor scale and zero point, weights s8 with one scale
+ * per output channel (symmetric), bias f32, dst u8/s8 (requantized with
+ * dst_scale and dst_zp) or f32/bf16 (dequantized: dst_scale 1, dst_zp 0).
+ * Post-ops in order: CL_PO_RELU, CL_PO_CLAMP, CL_PO_HARDSWISH, CL_PO_SILU,
+ * CL_PO_GELU_*, and at most one CL_PO_ADD: oneDNN's sum, the residual (dst's
+ * dtype and layout) copied into dst and added as sum_scale * (r - sum_zp). */
+enum {
+    CL_U8 = 2,
+    CL_S8 = 3
+};
+
+typedef struct {
+    int nsp;             /* spatial rank: 1, 2 or 3 */
+    int src_dt;          /* CL_U8 or CL_S8 */
+    int dst_dt;          /* CL_U8, CL_S8, CL_F32 or CL_BF16 */
+    int has_bias;        /* f32 bias */
+    int src_cl;          /* 1: src channels-last, 0: contiguous */
+    int dst_cl;
+    int src_zp;          /* zero points: part of the problem (oneDNN builds other kernels for them) */
+    int dst_zp;
+    long long n;
+    long long ic;
+    long long oc;
+    long long groups;
+    long long in_sp[3];
+    long long k_sp[3];
+    long long out_sp[3];
+    long long stride[3];
+    long long pad_l[3];
+    long long pad_r[3];
+    long long dilation[3];   /* PyTorch convention: 1 means no dilation */
+    int n_post_ops;
+    cl_post_op post_ops[8];
+    float sum_scale;     /* the CL_PO_ADD residual's scale and zero point */
+    int sum_zp;
+} cl_qconv_args;
+
+/* weight: s8 [oc][ic/groups][k...] contiguous; weight_scales: oc floats; residual: NULL
+ * without CL_PO_ADD. Scales are run-time arguments (one primitive serves every layer of
+ * the same shape); weight_id/version key the packed weight as for cl_conv_forward. */
+int cl_qconv_forward(const cl_qconv_args *args, uintptr_t src, float src_scale, uintptr_t weight,
+                     unsigned long long weight_id, long long weight_version, uintptr_t weight_scales,
+                     uintptr_t bias, uintptr_t dst, float dst_scale, uintptr_t residual);
+
+/* Implementation name oneDNN chose for this int8 problem (builds it if needed). */
+int cl_qconv_impl_name(const cl_qconv_args *args, char *out, int outlen);
+
+/* Max pooling of a u8/s8 tensor (dtype CL_U8 or CL_S8), NCHW or NHWC (cl), on oneDNN's
+ * pooling primitive: what int8 tensors flow through between int8 convs (ATen's
+ * channels-last uint8 max pool fails on large inputs). dst has the same dtype and layout.
+ * k, s, pad_l, pad_r, dilation (PyTorch's: 1 is none): nsp values each. */
+int cl_qmax_pool(int nsp, int dtype, int cl, const long long *src_dims, const long long *dst_dims,
+                 const long long *k, const long long *s, const long long *pad_l, const long long *pad_r,
+                 const long long *dilation, uintptr_t src, uintptr_t dst);
+
 const char *cl_last_error(void);
 
 /* Implementation name oneDNN chose for this problem (builds it if needed). */

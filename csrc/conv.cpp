@@ -33,13 +33,10 @@ extern "C" {
 #include "cl_api.h"
 }
 #include "bf16.h"
+#include "cl_dnnl.h"
 #include "winograd.h"
 
-namespace {
-
-using dnnl::memory;
-using tag = dnnl::memory::format_tag;
-using dt = dnnl::memory::data_type;
+namespace cldnn {
 
 dnnl::engine &cpu_engine() {
     static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
@@ -52,6 +49,17 @@ dnnl::stream &thread_stream() {
     thread_local dnnl::stream s(cpu_engine());
     return s;
 }
+
+}  // namespace cldnn
+
+namespace {
+
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+using dt = dnnl::memory::data_type;
+
+using cldnn::cpu_engine;
+using cldnn::thread_stream;
 
 // Bytes rounded up to a whole number of 64-byte lines: where temporaries packed
 // into one buffer start, so that each is aligned for vector loads.
@@ -744,11 +752,40 @@ PrimitiveCache &prim_cache() {
     return c;
 }
 
-// ---- weight cache: one reordered copy per (weight, target format) ----------
+// The user's weight packed into what the primitive computes on (Winograd's transform,
+// merged groups' block-diagonal spread, or oneDNN's reorder).
+void pack_weight(const ConvEntry &e, const void *user_ptr, memory &packed) {
+    if (e.wino) {
+        const memory::dims d = e.wei_md.get_dims();  // [16][ic][oc]
+        clwino::transform_weight(user_ptr, e.wei_md.get_data_type() == dt::bf16 ? CL_BF16 : CL_F32,
+                                 e.wino_w_cl, d[1], d[2], packed.get_data_handle());
+        return;
+    }
+    dnnl::stream &s = thread_stream();
+    if (e.merge > 1) {
+        memory wide(e.merged_wei_md, cpu_engine());
+        if (e.merged_wei_md.get_data_type() == dt::bf16)
+            spread_block_diagonal(static_cast<const uint16_t *>(user_ptr),
+                                  static_cast<uint16_t *>(wide.get_data_handle()), e);
+        else
+            spread_block_diagonal(static_cast<const float *>(user_ptr),
+                                  static_cast<float *>(wide.get_data_handle()), e);
+        dnnl::reorder(wide, packed).execute(s, wide, packed);
+    } else {
+        memory user(e.user_wei_md, cpu_engine(), const_cast<void *>(user_ptr));
+        dnnl::reorder(user, packed).execute(s, user, packed);
+    }
+    s.wait();
+}
+
+// ---- weight cache: one packed copy per (weight, target format) -------------
+// Every packed weight of the extension lives here (float convs and int8 convs
+// alike, see cldnn::packed_weight), keyed by the source's identity.
 
 class WeightCache {
    public:
-    memory get(unsigned long long id, long long version, const void *user_ptr, const ConvEntry &e) {
+    memory get(unsigned long long id, long long version, const void *user_ptr, const memory::desc &wei_md,
+               const memory::desc &user_md, const std::function<void(memory &)> &pack) {
         {
             std::lock_guard<std::mutex> g(mu_);
             Record &r = records_[id];
@@ -759,37 +796,17 @@ class WeightCache {
                 r.ptr = user_ptr;
             }
             for (auto &s : r.slots)
-                if (s.md == e.wei_md && s.user_md == e.user_wei_md) return s.mem;
+                if (s.md == wei_md && s.user_md == user_md) return s.mem;
         }
-        memory packed(e.wei_md, cpu_engine());
-        if (e.wino) {
-            const memory::dims d = e.wei_md.get_dims();  // [16][ic][oc]
-            clwino::transform_weight(user_ptr, e.wei_md.get_data_type() == dt::bf16 ? CL_BF16 : CL_F32,
-                                     e.wino_w_cl, d[1], d[2], packed.get_data_handle());
-        } else if (e.merge > 1) {
-            memory wide(e.merged_wei_md, cpu_engine());
-            if (e.merged_wei_md.get_data_type() == dt::bf16)
-                spread_block_diagonal(static_cast<const uint16_t *>(user_ptr),
-                                      static_cast<uint16_t *>(wide.get_data_handle()), e);
-            else
-                spread_block_diagonal(static_cast<const float *>(user_ptr),
-                                      static_cast<float *>(wide.get_data_handle()), e);
-            dnnl::stream &s = thread_stream();
-            dnnl::reorder(wide, packed).execute(s, wide, packed);
-            s.wait();
-        } else {
-            memory user(e.user_wei_md, cpu_engine(), const_cast<void *>(user_ptr));
-            dnnl::stream &s = thread_stream();
-            dnnl::reorder(user, packed).execute(s, user, packed);
-            s.wait();
-        }
+        memory packed(wei_md, cpu_engine());
+        pack(packed);
         g_stats.weight_reorders++;
         std::lock_guard<std::mutex> g(mu_);
         Record &r = records_[id];
         if (r.version == version && r.ptr == user_ptr) {
             for (auto &sl : r.slots)
-                if (sl.md == e.wei_md && sl.user_md == e.user_wei_md) return sl.mem;
-            r.slots.push_back({e.wei_md, e.user_wei_md, packed});
+                if (sl.md == wei_md && sl.user_md == user_md) return sl.mem;
+            r.slots.push_back({wei_md, user_md, packed});
         }
         return packed;
     }
@@ -886,7 +903,8 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     std::shared_ptr<ConvEntry> ep = prim_cache().get(a);
     const ConvEntry &e = *ep;
     const size_t first_binary = e.sum_slot >= 0 ? 1 : 0;
-    memory wei = weight_cache().get(weight_id, weight_version, weight, e);
+    memory wei = weight_cache().get(weight_id, weight_version, weight, e.wei_md, e.user_wei_md,
+                                    [&](memory &packed) { pack_weight(e, weight, packed); });
     if (e.wino) {
         run_winograd(a, e, src, wei, a.has_bias ? bias : nullptr, dst, residuals);
         return;
@@ -1055,6 +1073,22 @@ int guarded(F &&f) {
 
 }  // namespace
 
+namespace cldnn {
+
+uint8_t *thread_scratch(size_t bytes) { return t_scratch.get(bytes); }
+
+dnnl::memory packed_weight(unsigned long long id, long long version, const void *user_ptr,
+                           const dnnl::memory::desc &packed_md, const dnnl::memory::desc &user_md,
+                           const std::function<void(dnnl::memory &)> &pack) {
+    return weight_cache().get(id, version, user_ptr, packed_md, user_md, pack);
+}
+
+int guarded_call(const std::function<void()> &f) { return guarded(f); }
+
+void write_error_str(char *out, int outlen, const std::string &msg) { write_str(out, outlen, msg); }
+
+}  // namespace cldnn
+
 extern "C" {
 
 int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
@@ -1109,6 +1143,7 @@ void cl_clear_caches(void) {
     prim_cache().clear();
     weight_cache().clear();
     copy_cache().clear();
+    cldnn::clear_qconv_cache();
 }
 
 void cl_set_primitive_cache_capacity(int capacity) { prim_cache().set_capacity(capacity); }

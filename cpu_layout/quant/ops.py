@@ -1,0 +1,272 @@
+"""INT8 convolution on cpu_layout's oneDNN (csrc/qconv.cpp), as a graph calls it.
+
+`QConv` is one quantized conv of a graph, its static arguments fixed when the
+graph is compiled: called with the quantized input, the int8 weight, its
+per-channel scales and zero points, the bias and (for a fused residual add)
+the quantized residual, it returns the conv's output channels-last, quantized
+(uint8/int8) or dequantized (float32), as
+
+    quantize(post_ops(conv(dequantize(x), dequantize(w)) + bias [+ dequantize(r)]))
+
+computes it in eager PyTorch, up to one quantization step where a value lands
+on a rounding boundary (oneDNN sums in int32 and rescales once; eager sums the
+dequantized floats).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from cpu_layout._native import ffi, lib
+from cpu_layout.ops import POST_OPS, _weight_serial, content_version, state_epoch
+
+_DT = {torch.uint8: lib.CL_U8, torch.int8: lib.CL_S8, torch.float32: lib.CL_F32, torch.bfloat16: lib.CL_BF16}
+_RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+_CL_FORMAT = {3: None, 4: torch.channels_last, 5: torch.channels_last_3d}
+
+# Activation post-ops an int8 conv fuses (ops.POST_OPS names); "add" is the residual.
+ACTIVATIONS = ("relu", "relu6", "clamp", "hardswish", "silu", "gelu", "gelu_tanh", "sigmoid")
+
+
+def full_range(dtype, qmin, qmax) -> bool:
+    """oneDNN saturates to the whole uint8/int8 range: only such quantizations fuse."""
+    return dtype in _RANGE and (qmin, qmax) == _RANGE[dtype]
+
+
+def dequantize(q: torch.Tensor, scale: float, zp: int) -> torch.Tensor:
+    """quantized_decomposed.dequantize_per_tensor's formula."""
+    return (q.to(torch.float32) - zp) * scale
+
+
+def quantize(y: torch.Tensor, scale: float, zp: int, dtype) -> torch.Tensor:
+    """quantized_decomposed.quantize_per_tensor's formula (round half to even)."""
+    lo, hi = _RANGE[dtype]
+    return torch.clamp(torch.round(y * (1.0 / scale)) + zp, lo, hi).to(dtype)
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """t dense with channels innermost (a copy only when it is not)."""
+    if t.dim() == 3:
+        return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+    fmt = _CL_FORMAT[t.dim()]
+    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
+
+
+def empty_channels_last(size, dtype) -> torch.Tensor:
+    if len(size) == 3:
+        n, c, w = size
+        return torch.empty((n, w, c), dtype=dtype).transpose(1, 2)
+    return torch.empty(size, dtype=dtype, memory_format=_CL_FORMAT[len(size)])
+
+
+class QConv:
+    """One int8 convolution with its static arguments (see the module docstring).
+
+    x_scale/x_zp: the input's quantization; out_dtype uint8/int8 with out_scale/out_zp,
+    or float32 (dequantized output); post_ops: names from ACTIVATIONS, ("clamp", lo, hi),
+    and at most one "add" (then residual_scale/residual_zp describe the residual, which
+    has the output's dtype)."""
+
+    __name__ = "cpu_layout_qconv"
+
+    def __init__(self, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
+                 x_scale: float, x_zp: int, x_dtype, out_dtype, out_scale: float = 1.0, out_zp: int = 0,
+                 post_ops: Sequence = (), residual_scale: float = 1.0, residual_zp: int = 0):
+        if x_dtype not in _RANGE:
+            raise ValueError(f"int8 conv: input dtype must be uint8 or int8, got {x_dtype}")
+        if out_dtype not in _DT:
+            raise ValueError(f"int8 conv: output dtype must be uint8, int8, float32 or bfloat16, got {out_dtype}")
+        self.nsp = len(stride)
+        self.stride, self.padding, self.dilation = tuple(stride), tuple(padding), tuple(dilation)
+        self.groups = int(groups)
+        self.x_scale, self.x_zp, self.x_dtype = float(x_scale), int(x_zp), x_dtype
+        self.out_dtype = out_dtype
+        quantized = out_dtype in _RANGE
+        self.out_scale = float(out_scale) if quantized else 1.0
+        self.out_zp = int(out_zp) if quantized else 0
+        self.post_ops = tuple(post_ops)
+        self.has_residual = any(p == "add" for p in self.post_ops)
+        self.residual_scale, self.residual_zp = float(residual_scale), int(residual_zp)
+        self._args = {}  # input size -> the filled cl_qconv_args
+        self._checked = {}  # weight serial -> (version, epoch) whose zero points were checked
+
+    def __repr__(self):
+        return (f"QConv(stride={self.stride}, padding={self.padding}, groups={self.groups}, "
+                f"{self.x_dtype}->{self.out_dtype}, post_ops={self.post_ops})")
+
+    def _make_args(self, x: torch.Tensor, w: torch.Tensor, has_bias: bool):
+        a = ffi.new("cl_qconv_args *")
+        a.nsp = self.nsp
+        a.src_dt, a.dst_dt = _DT[self.x_dtype], _DT[self.out_dtype]
+        a.has_bias = int(has_bias)
+        a.src_cl = a.dst_cl = 1
+        a.src_zp, a.dst_zp = self.x_zp, self.out_zp
+        a.n, a.ic, a.oc, a.groups = x.shape[0], x.shape[1], w.shape[0], self.groups
+        out = [x.shape[0], w.shape[0]]
+        for i in range(self.nsp):
+            k, s, p, d = w.shape[2 + i], self.stride[i], self.padding[i], self.dilation[i]
+            a.in_sp[i], a.k_sp[i], a.stride[i], a.pad_l[i], a.pad_r[i], a.dilation[i] = x.shape[2 + i], k, s, p, p, d
+            o = (x.shape[2 + i] + 2 * p - d * (k - 1) - 1) // s + 1
+            if o <= 0:
+                raise ValueError(f"int8 conv: kernel larger than the padded input {tuple(x.shape)}")
+            a.out_sp[i] = o
+            out.append(o)
+        n_post = 0
+        for p in self.post_ops:
+            name, params = (p, ()) if isinstance(p, str) else (p[0], p[1:])
+            kind, alpha, beta, _ = POST_OPS[name]
+            if params:
+                alpha, beta = params
+            a.post_ops[n_post].kind, a.post_ops[n_post].alpha, a.post_ops[n_post].beta = kind, alpha, beta
+            n_post += 1
+        a.n_post_ops = n_post
+        a.sum_scale, a.sum_zp = self.residual_scale, self.residual_zp
+        return a, tuple(out)
+
+    def _check_weight(self, w: torch.Tensor, w_zps: torch.Tensor, serial: int) -> bool:
+        """Symmetric weights (zero points all 0) run on oneDNN; checked once per weight version."""
+        key = (content_version(w_zps), w_zps.data_ptr(), state_epoch())
+        if self._checked.get(serial) == key:
+            return True
+        ok = not bool(w_zps.any())
+        if ok:
+            self._checked[serial] = key
+        return ok
+
+    def reference(self, x, w, w_scales, w_zps, bias, residual=None):
+        """The eager computation: dequantize, conv, post-ops, quantize (the fallback)."""
+        xf = dequantize(x, self.x_scale, self.x_zp)
+        shape = (-1,) + (1,) * (w.dim() - 1)
+        wf = (w.float() - w_zps.reshape(shape).float()) * w_scales.reshape(shape).float()
+        conv = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[self.nsp]
+        y = conv(xf, wf, bias, self.stride, self.padding, self.dilation, self.groups)
+        for p in self.post_ops:
+            name, params = (p, ()) if isinstance(p, str) else (p[0], p[1:])
+            if name == "add":
+                y = y + dequantize(residual, self.residual_scale, self.residual_zp)
+            elif name == "relu":
+                y = torch.relu(y)
+            elif name in ("relu6", "clamp"):
+                lo, hi = params if params else (0.0, 6.0)
+                y = torch.clamp(y, lo, hi)
+            elif name == "gelu_tanh":
+                y = torch.nn.functional.gelu(y, approximate="tanh")
+            else:
+                y = getattr(torch.nn.functional, name)(y)
+        if self.out_dtype in _RANGE:
+            return channels_last(quantize(y, self.out_scale, self.out_zp, self.out_dtype))
+        return channels_last(y.to(self.out_dtype))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, w_zps: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dtype != self.x_dtype or w.dtype != torch.int8 or x.dim() != self.nsp + 2:
+            raise TypeError(f"int8 conv: expected a {self.nsp + 2}-d {self.x_dtype} input and an int8 weight, "
+                            f"got {x.dtype} {tuple(x.shape)} and {w.dtype}")
+        if residual is not None and not self.has_residual:
+            raise TypeError("int8 conv: a residual was given to a conv without a residual add")
+        serial = _weight_serial(w)
+        if not self._check_weight(w, w_zps, serial):
+            _warn_asymmetric()
+            return self.reference(x, w, w_scales, w_zps, bias, residual)
+        if x.shape[0] == 0 or x.numel() == 0:
+            return self.reference(x, w, w_scales, w_zps, bias, residual)
+        x = channels_last(x)
+        w = w.contiguous()
+        scales = w_scales if w_scales.dtype == torch.float32 and w_scales.is_contiguous() else \
+            w_scales.float().contiguous()
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        key = (tuple(x.shape), tuple(w.shape), bias is not None)
+        entry = self._args.get(key)
+        if entry is None:
+            if x.shape[1] != w.shape[1] * self.groups:
+                raise ValueError(f"int8 conv: input has {x.shape[1]} channels, the weight expects "
+                                 f"{w.shape[1] * self.groups}")
+            entry = self._args[key] = self._make_args(x, w, bias is not None)
+        args, out_size = entry
+        out = empty_channels_last(out_size, self.out_dtype)
+        res_addr = 0
+        if self.has_residual:
+            if residual is None or residual.dtype != self.out_dtype or tuple(residual.shape) != out_size:
+                raise ValueError("int8 conv: the residual must have the output's size and dtype")
+            residual = channels_last(residual)  # copied into the output, which the sum adds to
+            res_addr = residual.data_ptr()
+        rc = lib.cl_qconv_forward(args, x.data_ptr(), self.x_scale, w.data_ptr(), serial, content_version(w),
+                                  scales.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(),
+                                  self.out_scale, res_addr)
+        if rc:
+            raise RuntimeError(f"cpu_layout int8 conv failed: {ffi.string(lib.cl_last_error()).decode()}")
+        return out
+
+    def impl_name(self, x: torch.Tensor, w: torch.Tensor, has_bias: bool = True) -> str:
+        """oneDNN's implementation for this conv at x's size ("ref" would be a bug)."""
+        args, _ = self._make_args(channels_last(x), w, has_bias)
+        buf = ffi.new("char[]", 256)
+        if lib.cl_qconv_impl_name(args, buf, 256):
+            raise RuntimeError(ffi.string(lib.cl_last_error()).decode())
+        return ffi.string(buf).decode()
+
+
+_warned = []
+
+
+def _warn_asymmetric() -> None:
+    if not _warned:
+        _warned.append(True)
+        warnings.warn("cpu_layout: an int8 conv weight has non-zero zero points; it runs dequantized in "
+                      "float32 (oneDNN's int8 convs take symmetric weights)", RuntimeWarning, stacklevel=3)
+
+
+
+class QMaxPool:
+    """max_pool{1,2,3}d of a uint8/int8 tensor on oneDNN (csrc/qpool.cpp): the max of
+    quantized values is the quantized max, so it needs no scale. Keeps its input's
+    layout when that is dense channels-last or contiguous (else channels-last)."""
+
+    __name__ = "cpu_layout_qmax_pool"
+
+    def __init__(self, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+        n = len(kernel)
+        self.k = tuple(int(v) for v in kernel)
+        self.s = tuple(int(v) for v in stride) if stride else self.k
+        pad = (padding,) * n if isinstance(padding, int) else tuple(padding)
+        dil = (dilation,) * n if isinstance(dilation, int) else tuple(dilation)
+        self.p = pad * n if len(pad) == 1 else tuple(int(v) for v in pad)
+        self.d = dil * n if len(dil) == 1 else tuple(int(v) for v in dil)
+        self.s = self.s * n if len(self.s) == 1 else self.s
+        self.ceil = bool(ceil_mode)
+
+    def out_size(self, size):
+        out = list(size[:2])
+        for i, x in enumerate(size[2:]):
+            k, s, p, d = self.k[i], self.s[i], self.p[i], self.d[i]
+            span = x + 2 * p - d * (k - 1) - 1
+            o = (span + (s - 1 if self.ceil else 0)) // s + 1
+            if self.ceil and (o - 1) * s >= x + p:  # torch: the last window starts inside the input
+                o -= 1
+            out.append(o)
+        return tuple(out)
+
+    def __call__(self, x: torch.Tensor, *_args) -> torch.Tensor:
+        if x.dtype not in _RANGE:
+            raise TypeError(f"int8 max pool: expected uint8 or int8, got {x.dtype}")
+        nsp = x.dim() - 2
+        if nsp != len(self.k):
+            raise ValueError(f"int8 max pool: a {len(self.k)}-d pool got a {x.dim()}-d input")
+        cl = not x.is_contiguous() or nsp == 1
+        x = channels_last(x) if cl else x
+        size = self.out_size(tuple(x.shape))
+        out = empty_channels_last(size, x.dtype) if cl else torch.empty(size, dtype=x.dtype)
+        if out.numel() == 0:
+            return out
+        pad_r = [(size[2 + i] - 1) * self.s[i] + self.d[i] * (self.k[i] - 1) + 1 - x.shape[2 + i] - self.p[i]
+                 for i in range(nsp)]
+        pad_r = [max(v, 0) for v in pad_r]
+        arr = lambda v: ffi.new("long long[]", list(v))  # noqa: E731
+        rc = lib.cl_qmax_pool(nsp, _DT[x.dtype], int(cl), arr(x.shape), arr(size), arr(self.k), arr(self.s),
+                              arr(self.p), arr(pad_r), arr(self.d), x.data_ptr(), out.data_ptr())
+        if rc:
+            raise RuntimeError(f"cpu_layout int8 max pool failed: {ffi.string(lib.cl_last_error()).decode()}")
+        return out

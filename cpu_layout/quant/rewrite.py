@@ -1,0 +1,269 @@
+"""PT2E's quantized patterns in an ATen graph, rewritten to int8 kernels.
+
+A graph from `convert_pt2e` (torchao's `X86InductorQuantizer`, static) is
+float ATen ops between `quantized_decomposed` quantize/dequantize nodes. This
+pass runs before lowering and replaces
+
+    dequantize_per_tensor(xq) -> convolution(., dequantize_per_channel(wq)) [-> add(., dequantize_per_tensor(rq))]
+        [-> activation] [-> quantize_per_tensor]
+
+with one `QConv` call on the uint8/int8 tensors (csrc/qconv.cpp), and
+
+    dequantize_per_tensor(q) -> max_pool2d -> quantize_per_tensor (same scale and zero point)
+
+with the max pool on q itself. The calls' outputs are channels-last, which
+their fake values say, so the planner sees int8 tensors flow between convs
+without copies. What does not match (a narrowed quantization range, a weight
+that is not module state, autocast around the graph, per-channel activation
+scales) stays as it is and runs as ATen ops, correct and slower; each such
+pattern is named once under CPU_LAYOUT_LOG=plan.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from cpu_layout import config
+from cpu_layout.quant.ops import QConv, QMaxPool, full_range
+
+aten = torch.ops.aten
+
+
+def _qd(name: str):
+    """A quantized_decomposed overload, or None when torch has not registered the namespace."""
+    ns = getattr(torch.ops, "quantized_decomposed", None)
+    try:
+        return getattr(getattr(ns, name), "default")
+    except AttributeError:
+        return None
+
+
+def _targets():
+    return {k: _qd(k) for k in ("quantize_per_tensor", "dequantize_per_tensor", "dequantize_per_channel")}
+
+
+def _static(v) -> bool:
+    return type(v) in (int, float)
+
+
+class _DQ:
+    """A dequantize_per_tensor node's source and static quantization."""
+
+    def __init__(self, node: Node, src: Node, scale: float, zp: int, dtype):
+        self.node, self.src, self.scale, self.zp, self.dtype = node, src, scale, zp, dtype
+
+
+def _log(msg: str) -> None:
+    if config.log_enabled("plan"):
+        print(f"cpu_layout: int8: {msg}", file=sys.stderr)
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, Node) else None
+
+
+class _Rewriter:
+    def __init__(self, gm: GraphModule, param_nodes):
+        self.gm, self.g = gm, gm.graph
+        self.t = _targets()
+        self.params = set(param_nodes)
+        self.reasons = []
+
+    # ---- matching --------------------------------------------------------------
+
+    def dq_tensor(self, n) -> Optional[_DQ]:
+        if not isinstance(n, Node) or n.target is not self.t["dequantize_per_tensor"] or n.kwargs.get("out_dtype"):
+            return None
+        src, scale, zp, qmin, qmax, dtype = n.args[:6]
+        if not (_static(scale) and _static(zp) and full_range(dtype, qmin, qmax)):
+            return None
+        return _DQ(n, src, float(scale), int(zp), dtype)
+
+    def q_tensor(self, n: Node):
+        """(scale, zp, dtype) of a quantize_per_tensor node onto the full int8 range."""
+        if n.target is not self.t["quantize_per_tensor"]:
+            return None
+        _x, scale, zp, qmin, qmax, dtype = n.args[:6]
+        if not (_static(scale) and _static(zp) and full_range(dtype, qmin, qmax)):
+            return None
+        return float(scale), int(zp), dtype
+
+    def weight(self, n):
+        """(wq, scales, zero points) of a per-channel int8 weight held as module state."""
+        if not isinstance(n, Node) or n.target is not self.t["dequantize_per_channel"]:
+            return None
+        wq, scales, zps, axis, qmin, qmax, dtype = n.args[:7]
+        if axis != 0 or dtype is not torch.int8 or (qmin, qmax) != (-128, 127) or n.kwargs.get("out_dtype"):
+            self.reasons.append(f"{n.name}: weight quantization (axis {axis}, {dtype}, [{qmin}, {qmax}]) "
+                                "is not symmetric per output channel int8")
+            return None
+        if not all(isinstance(a, Node) and a in self.params for a in (wq, scales, zps)):
+            self.reasons.append(f"{n.name}: the int8 weight is not module state")
+            return None
+        return wq, scales, zps
+
+    @staticmethod
+    def only_user(n: Node) -> Optional[Node]:
+        users = list(n.users)
+        return users[0] if len(users) == 1 else None
+
+    @staticmethod
+    def activation(n: Node):
+        """The post-op of an activation node, or None."""
+        t, a = n.target, n.args
+        if t in (aten.relu.default, aten.relu_.default):
+            return "relu"
+        if t in (aten.hardtanh.default, aten.clamp.default) and len(a) == 3 and _static(a[1]) and _static(a[2]):
+            return "relu6" if (a[1], a[2]) == (0, 6) else ("clamp", float(a[1]), float(a[2]))
+        if t is aten.hardswish.default:
+            return "hardswish"
+        if t is aten.silu.default:
+            return "silu"
+        if t is aten.sigmoid.default:
+            return "sigmoid"
+        if t is aten.gelu.default:
+            approx = n.kwargs.get("approximate", a[1] if len(a) > 1 else "none")
+            return "gelu_tanh" if approx == "tanh" else "gelu"
+        return None
+
+    # ---- rewrites --------------------------------------------------------------
+
+    def conv(self, c: Node) -> bool:
+        x, w, b, stride, padding, dilation, transposed, _opad, groups = c.args
+        dq = self.dq_tensor(x)
+        if dq is None:
+            return False
+        weight = self.weight(w)
+        cv = _val(c)
+        if weight is None:
+            return False
+        if transposed or cv is None or cv.dtype is not torch.float32 or cv.dim() not in (3, 4, 5):
+            self.reasons.append(f"{c.name}: transposed, or not a float32 conv (autocast)")
+            return False
+        if b is not None and not (b in self.params and _val(b).dtype is torch.float32):
+            self.reasons.append(f"{c.name}: the bias is not float32 module state")
+            return False
+        if not all(type(v) is int for v in (*stride, *padding, *dilation, groups)):
+            return False
+        nsp = cv.dim() - 2
+
+        def per_dim(v):
+            v = tuple(int(i) for i in v)
+            return v * nsp if len(v) == 1 else v
+
+        # Follow the conv's single-user chain: [add(dequantized residual)] [activation] [quantize].
+        chain, post_ops, residual = [c], [], None
+        cur = c
+        nxt = self.only_user(cur)
+        if nxt is not None and nxt.target is aten.add.Tensor and not nxt.kwargs.get("alpha", 1) != 1:
+            other = nxt.args[1] if nxt.args[0] is cur else nxt.args[0]
+            r = self.dq_tensor(other) if other is not cur else None
+            if r is not None:
+                tail = self.only_user(nxt)
+                act = self.activation(tail) if tail is not None else None
+                q_node = self.only_user(tail) if act is not None else tail
+                q = self.q_tensor(q_node) if q_node is not None else None
+                if q is not None and q[2] == r.dtype:
+                    residual = r
+                    chain.append(nxt)
+                    post_ops.append("add")
+                    cur = nxt
+                    nxt = tail
+        if nxt is not None:
+            act = self.activation(nxt)
+            if act is not None:
+                chain.append(nxt)
+                post_ops.append(act)
+                cur = nxt
+                nxt = self.only_user(cur)
+        q = self.q_tensor(nxt) if nxt is not None else None
+        if q is not None:
+            out_scale, out_zp, out_dtype = q
+            last = nxt
+        else:
+            out_scale, out_zp, out_dtype, last = 1.0, 0, torch.float32, cur
+        call = QConv(per_dim(stride), per_dim(padding), per_dim(dilation), groups, dq.scale, dq.zp, dq.dtype,
+                     out_dtype, out_scale, out_zp, post_ops,
+                     residual.scale if residual else 1.0, residual.zp if residual else 0)
+        wq, scales, zps = weight
+        with self.g.inserting_before(last):
+            args = (dq.src, wq, scales, zps, b) + ((residual.src,) if residual else ())
+            new = self.g.call_function(call, args)
+        lv = _val(last)
+        new.meta["val"] = _channels_last_like(lv, out_dtype)
+        last.replace_all_uses_with(new)
+        return True
+
+    def max_pool(self, p: Node) -> bool:
+        """dequantize -> max_pool2d -> quantize with one scale and zero point: the pool on q."""
+        dq = self.dq_tensor(p.args[0])
+        if dq is None:
+            return False
+        getter = self.only_user(p)
+        if getter is None or getter.target is not operator.getitem or getter.args[1] != 0:
+            return False
+        q_node = self.only_user(getter)
+        q = self.q_tensor(q_node) if q_node is not None else None
+        if q != (dq.scale, dq.zp, dq.dtype):
+            return False
+        pool = QMaxPool(*p.args[1:], **p.kwargs)
+        with self.g.inserting_before(q_node):
+            new = self.g.call_function(pool, (dq.src,))
+        sv = _val(dq.src)
+        layout_like = _val(getter) if not sv.is_contiguous() else None
+        new.meta["val"] = _channels_last_like(_val(q_node), dq.dtype) if layout_like is not None else _val(q_node)
+        q_node.replace_all_uses_with(new)
+        return True
+
+    def run(self) -> int:
+        changed = 0
+        for n in list(self.g.nodes):
+            if n.op != "call_function":
+                continue
+            if n.target is aten.convolution.default:
+                changed += self.conv(n)
+            elif n.target is aten.max_pool2d_with_indices.default:
+                changed += self.max_pool(n)
+        if changed:
+            self.g.eliminate_dead_code()
+            self.gm.recompile()
+        for r in dict.fromkeys(self.reasons):
+            _log(f"left as ATen ops: {r}")
+        left = [n.name for n in self.g.nodes if n.op == "call_function" and n.target in self.t.values()]
+        if left:
+            _log(f"{changed} patterns rewritten; quantize/dequantize nodes left as ATen ops: {len(left)} "
+                 f"(first: {', '.join(left[:4])})")
+        return changed
+
+
+def _channels_last_like(v, dtype):
+    """A fake tensor of v's size and `dtype`, dense channels-last: what QConv returns."""
+    fake = getattr(v, "fake_mode", None)
+    if fake is None:
+        return v
+    with fake:
+        if v.dim() == 3:
+            n, c, w = v.shape
+            return torch.empty((n, w, c), dtype=dtype).transpose(1, 2)
+        fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
+        return torch.empty(v.shape, dtype=dtype, memory_format=fmt)
+
+
+def has_quantized_ops(gm: GraphModule) -> bool:
+    targets = {t for t in _targets().values() if t is not None}
+    return bool(targets) and any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
+
+
+def rewrite(gm: GraphModule, param_indices) -> int:
+    """Rewrite gm's quantized patterns in place; returns how many were rewritten.
+    `param_indices`: positions of the placeholders that are module state."""
+    if not has_quantized_ops(gm):
+        return 0
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = [placeholders[i] for i in param_indices if i < len(placeholders)]
+    params += [n for n in gm.graph.nodes if n.op == "get_attr"]
+    return _Rewriter(gm, params).run()

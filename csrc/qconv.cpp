@@ -1,0 +1,335 @@
+// INT8 convolution on cpu_layout's oneDNN: PT2E's
+//   dequantize(x) -> conv(dequantize(w)) -> post-ops -> quantize
+// as one primitive (u8/s8 src, s8 weights packed once, per-channel weight
+// scales, zero points, requantized or dequantized dst).
+//
+// Why not torch's onednn.qconv_pointwise (Inductor's lowering): it runs on
+// torch's hidden oneDNN copy, takes a prepacked weight from its own packing op
+// and checks and wraps every argument per call; owning the primitive lets the
+// int8 conv share the float convs' weight cache, scratchpads and error rules.
+// The primitive cache here is keyed like conv.cpp's; the two stay separate
+// because their entries hold different conversions (float convs convert
+// dtypes and formats at the edges, int8 ones never do).
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+extern "C" {
+#include "cl_api.h"
+}
+#include "cl_dnnl.h"
+
+namespace {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+using dt = memory::data_type;
+using cldnn::cpu_engine;
+
+dt qdt(int code) {
+    switch (code) {
+        case CL_U8: return dt::u8;
+        case CL_S8: return dt::s8;
+        case CL_F32: return dt::f32;
+        case CL_BF16: return dt::bf16;
+    }
+    throw std::invalid_argument("unsupported int8 conv dtype code " + std::to_string(code));
+}
+
+bool is_int8(int code) { return code == CL_U8 || code == CL_S8; }
+
+tag act_tag(int nsp, bool cl) {
+    switch (nsp) {
+        case 1: return cl ? tag::nwc : tag::ncw;
+        case 2: return cl ? tag::nhwc : tag::nchw;
+        default: return cl ? tag::ndhwc : tag::ncdhw;
+    }
+}
+
+tag user_wei_tag(int nsp, bool grouped) {
+    switch (nsp) {
+        case 1: return grouped ? tag::goiw : tag::oiw;
+        case 2: return grouped ? tag::goihw : tag::oihw;
+        default: return grouped ? tag::goidhw : tag::oidhw;
+    }
+}
+
+void validate(const cl_qconv_args &a) {
+    auto bad = [](const std::string &m) { throw std::invalid_argument("int8 conv: " + m); };
+    if (a.nsp < 1 || a.nsp > CL_MAX_SPATIAL) bad("spatial rank must be 1, 2 or 3");
+    if (!is_int8(a.src_dt)) bad("src must be u8 or s8");
+    qdt(a.dst_dt);
+    if (a.n <= 0 || a.ic <= 0 || a.oc <= 0 || a.groups <= 0) bad("sizes must be positive");
+    if (a.ic % a.groups || a.oc % a.groups) bad("channels not divisible by groups");
+    for (int i = 0; i < a.nsp; ++i) {
+        if (a.in_sp[i] <= 0 || a.k_sp[i] <= 0 || a.out_sp[i] <= 0 || a.stride[i] <= 0 || a.dilation[i] <= 0 ||
+            a.pad_l[i] < 0 || a.pad_r[i] < 0)
+            bad("spatial sizes, strides and dilations must be positive, padding non-negative");
+        const long long span = a.dilation[i] * (a.k_sp[i] - 1) + 1;
+        if ((a.in_sp[i] + a.pad_l[i] + a.pad_r[i] - span) / a.stride[i] + 1 != a.out_sp[i])
+            bad("output size does not match the input, kernel, stride and padding");
+    }
+    if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) bad("too many post-ops");
+    int adds = 0;
+    for (int i = 0; i < a.n_post_ops; ++i) adds += a.post_ops[i].kind == CL_PO_ADD;
+    if (adds > 1) bad("at most one residual add");
+    if (!is_int8(a.dst_dt) && a.dst_zp) bad("a float dst has no zero point");
+}
+
+// The key: the problem with every byte defined (padding and unused fields zero).
+struct Key {
+    cl_qconv_args a;
+    bool operator==(const Key &o) const { return std::memcmp(&a, &o.a, sizeof a) == 0; }
+};
+struct KeyHash {
+    size_t operator()(const Key &k) const {
+        const unsigned char *p = reinterpret_cast<const unsigned char *>(&k.a);
+        size_t h = 1469598103934665603ull;
+        for (size_t i = 0; i < sizeof k.a; ++i) h = (h ^ p[i]) * 1099511628211ull;
+        return h;
+    }
+};
+
+Key make_key(const cl_qconv_args &in) {
+    Key k;
+    std::memset(&k.a, 0, sizeof k.a);
+    k.a.nsp = in.nsp;
+    k.a.src_dt = in.src_dt;
+    k.a.dst_dt = in.dst_dt;
+    k.a.has_bias = in.has_bias ? 1 : 0;
+    k.a.src_cl = in.src_cl ? 1 : 0;
+    k.a.dst_cl = in.dst_cl ? 1 : 0;
+    k.a.src_zp = in.src_zp;
+    k.a.dst_zp = in.dst_zp;
+    k.a.n = in.n;
+    k.a.ic = in.ic;
+    k.a.oc = in.oc;
+    k.a.groups = in.groups;
+    for (int i = 0; i < in.nsp && i < CL_MAX_SPATIAL; ++i) {
+        k.a.in_sp[i] = in.in_sp[i];
+        k.a.k_sp[i] = in.k_sp[i];
+        k.a.out_sp[i] = in.out_sp[i];
+        k.a.stride[i] = in.stride[i];
+        k.a.pad_l[i] = in.pad_l[i];
+        k.a.pad_r[i] = in.pad_r[i];
+        k.a.dilation[i] = in.dilation[i];
+    }
+    k.a.n_post_ops = in.n_post_ops;
+    bool has_sum = false;
+    for (int i = 0; i < in.n_post_ops && i < CL_MAX_POST_OPS; ++i) {
+        k.a.post_ops[i] = in.post_ops[i];
+        has_sum |= in.post_ops[i].kind == CL_PO_ADD;
+    }
+    if (has_sum) {
+        k.a.sum_scale = in.sum_scale;
+        k.a.sum_zp = in.sum_zp;
+    }
+    return k;
+}
+
+struct Entry {
+    dnnl::convolution_forward prim;
+    memory::desc src_md, wei_md, user_wei_md, bias_md, dst_md, scratch_md;
+    memory::desc scale1_md, wscale_md, zp_md;
+    size_t scratch_bytes = 0;
+    std::string impl;
+};
+
+dnnl::algorithm eltwise(int kind, float &alpha, float &beta) {
+    switch (kind) {
+        case CL_PO_RELU: beta = 0.f; return dnnl::algorithm::eltwise_relu;
+        case CL_PO_CLAMP: return dnnl::algorithm::eltwise_clip_v2;
+        case CL_PO_HARDSWISH: alpha = 1.f / 6.f; beta = 0.5f; return dnnl::algorithm::eltwise_hardswish;
+        case CL_PO_SILU: alpha = 1.f; beta = 0.f; return dnnl::algorithm::eltwise_swish;
+        case CL_PO_GELU_TANH: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_tanh;
+        case CL_PO_GELU_ERF: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_erf;
+        case CL_PO_SIGMOID: alpha = beta = 0.f; return dnnl::algorithm::eltwise_logistic;
+    }
+    throw std::invalid_argument("int8 conv: unsupported post-op kind " + std::to_string(kind));
+}
+
+std::shared_ptr<Entry> build(const cl_qconv_args &a) {
+    auto e = std::make_shared<Entry>();
+    const int nsp = a.nsp;
+    const bool grouped = a.groups > 1;
+    memory::dims src_d{a.n, a.ic}, dst_d{a.n, a.oc}, wei_d, strides, dil, pl, pr;
+    if (grouped) wei_d = {a.groups, a.oc / a.groups, a.ic / a.groups};
+    else wei_d = {a.oc, a.ic};
+    for (int i = 0; i < nsp; ++i) {
+        src_d.push_back(a.in_sp[i]);
+        dst_d.push_back(a.out_sp[i]);
+        wei_d.push_back(a.k_sp[i]);
+        strides.push_back(a.stride[i]);
+        dil.push_back(a.dilation[i] - 1);
+        pl.push_back(a.pad_l[i]);
+        pr.push_back(a.pad_r[i]);
+    }
+    e->src_md = memory::desc(src_d, qdt(a.src_dt), act_tag(nsp, a.src_cl));
+    e->dst_md = memory::desc(dst_d, qdt(a.dst_dt), act_tag(nsp, a.dst_cl));
+    e->user_wei_md = memory::desc(wei_d, dt::s8, user_wei_tag(nsp, grouped));
+    const memory::desc wei_any(wei_d, dt::s8, tag::any);
+    if (a.has_bias) e->bias_md = memory::desc({a.oc}, dt::f32, tag::a);
+
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    attr.set_scales_mask(DNNL_ARG_SRC, 0);
+    // One scale per output channel: dim 0 of [oc][ic][k], dims 0 and 1 of [g][oc/g][ic/g][k].
+    attr.set_scales_mask(DNNL_ARG_WEIGHTS, grouped ? 3 : 1);
+    if (is_int8(a.dst_dt)) attr.set_scales_mask(DNNL_ARG_DST, 0);
+    if (a.src_zp) attr.set_zero_points_mask(DNNL_ARG_SRC, 0);
+    if (a.dst_zp) attr.set_zero_points_mask(DNNL_ARG_DST, 0);
+    dnnl::post_ops po;
+    for (int i = 0; i < a.n_post_ops; ++i) {
+        const cl_post_op &p = a.post_ops[i];
+        if (p.kind == CL_PO_ADD) {
+            po.append_sum(a.sum_scale, a.sum_zp, qdt(a.dst_dt));
+            continue;
+        }
+        float alpha = p.alpha, beta = p.beta;
+        const dnnl::algorithm alg = eltwise(p.kind, alpha, beta);
+        po.append_eltwise(alg, alpha, beta);
+    }
+    attr.set_post_ops(po);
+
+    using pd_t = dnnl::convolution_forward::primitive_desc;
+    pd_t pd = a.has_bias
+                  ? pd_t(cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
+                         e->src_md, wei_any, e->bias_md, e->dst_md, strides, dil, pl, pr, attr)
+                  : pd_t(cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
+                         e->src_md, wei_any, e->dst_md, strides, dil, pl, pr, attr);
+    e->impl = pd.impl_info_str();
+    e->wei_md = pd.weights_desc();
+    e->scratch_md = pd.scratchpad_desc();
+    e->scratch_bytes = e->scratch_md.get_size();
+    e->prim = dnnl::convolution_forward(pd);
+    e->scale1_md = memory::desc({1}, dt::f32, tag::x);
+    e->wscale_md = memory::desc({a.oc}, dt::f32, tag::x);
+    e->zp_md = memory::desc({1}, dt::s32, tag::x);
+    return e;
+}
+
+// LRU over problem keys, as conv.cpp's cache of float primitives.
+class Cache {
+   public:
+    std::shared_ptr<Entry> get(const cl_qconv_args &a) {
+        Key k = make_key(a);
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = map_.find(k);
+            if (it != map_.end()) {
+                lru_.splice(lru_.begin(), lru_, it->second);
+                return it->second->second;
+            }
+        }
+        auto e = build(k.a);  // outside the lock: JIT takes milliseconds
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = map_.find(k);
+        if (it != map_.end()) return it->second->second;
+        lru_.emplace_front(k, e);
+        map_[k] = lru_.begin();
+        while (map_.size() > capacity_) {
+            map_.erase(lru_.back().first);
+            lru_.pop_back();
+        }
+        return e;
+    }
+    void clear() {
+        std::lock_guard<std::mutex> g(mu_);
+        map_.clear();
+        lru_.clear();
+    }
+
+   private:
+    using Item = std::pair<Key, std::shared_ptr<Entry>>;
+    std::mutex mu_;
+    std::list<Item> lru_;
+    std::unordered_map<Key, std::list<Item>::iterator, KeyHash> map_;
+    size_t capacity_ = 512;
+};
+
+Cache &cache() {
+    static Cache c;
+    return c;
+}
+
+size_t dt_bytes(int code) { return code == CL_F32 ? 4 : code == CL_BF16 ? 2 : 1; }
+
+void run(const cl_qconv_args &a, const void *src, float src_scale, const void *weight, unsigned long long wid,
+         long long wver, const float *wscales, const void *bias, void *dst, float dst_scale, const void *residual) {
+    validate(a);
+    if (!src || !weight || !wscales || !dst || (a.has_bias && !bias)) throw std::invalid_argument("int8 conv: null data pointer");
+    bool has_sum = false;
+    for (int i = 0; i < a.n_post_ops; ++i) has_sum |= a.post_ops[i].kind == CL_PO_ADD;
+    if (has_sum != (residual != nullptr)) throw std::invalid_argument("int8 conv: a residual add needs exactly one residual");
+    if (!(src_scale > 0.f) || (is_int8(a.dst_dt) && !(dst_scale > 0.f)))
+        throw std::invalid_argument("int8 conv: scales must be positive");
+    std::shared_ptr<Entry> ep = cache().get(a);
+    const Entry &e = *ep;
+    const dnnl::engine &eng = cpu_engine();
+    memory wei = cldnn::packed_weight(wid, wver, weight, e.wei_md, e.user_wei_md, [&](memory &packed) {
+        memory user(e.user_wei_md, eng, const_cast<void *>(weight));
+        dnnl::stream &s = cldnn::thread_stream();
+        dnnl::reorder(user, packed).execute(s, user, packed);
+        s.wait();
+    });
+    if (residual && residual != dst) {
+        size_t bytes = dt_bytes(a.dst_dt) * static_cast<size_t>(a.n * a.oc);
+        for (int i = 0; i < a.nsp; ++i) bytes *= static_cast<size_t>(a.out_sp[i]);
+        std::memcpy(dst, residual, bytes);
+    }
+    const int32_t szp = a.src_zp, dzp = a.dst_zp;
+    float ss = src_scale, ds = dst_scale;
+    memory m_src(e.src_md, eng, const_cast<void *>(src)), m_dst(e.dst_md, eng, dst);
+    memory m_scratch(e.scratch_md, eng, cldnn::thread_scratch(e.scratch_bytes));
+    memory m_ss(e.scale1_md, eng, &ss), m_ws(e.wscale_md, eng, const_cast<float *>(wscales));
+    memory m_ds(e.scale1_md, eng, &ds);
+    memory m_szp(e.zp_md, eng, const_cast<int32_t *>(&szp)), m_dzp(e.zp_md, eng, const_cast<int32_t *>(&dzp));
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, m_src},
+                                         {DNNL_ARG_WEIGHTS, wei},
+                                         {DNNL_ARG_DST, m_dst},
+                                         {DNNL_ARG_SCRATCHPAD, m_scratch},
+                                         {DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, m_ss},
+                                         {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, m_ws}};
+    if (a.has_bias) args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, const_cast<void *>(bias)));
+    if (is_int8(a.dst_dt)) args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, m_ds);
+    if (a.src_zp) args.emplace(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, m_szp);
+    if (a.dst_zp) args.emplace(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, m_dzp);
+    dnnl::stream &s = cldnn::thread_stream();
+    e.prim.execute(s, args);
+    s.wait();
+}
+
+}  // namespace
+
+void cldnn::clear_qconv_cache() { cache().clear(); }
+
+extern "C" {
+
+int cl_qconv_forward(const cl_qconv_args *args, uintptr_t src, float src_scale, uintptr_t weight,
+                     unsigned long long weight_id, long long weight_version, uintptr_t weight_scales,
+                     uintptr_t bias, uintptr_t dst, float dst_scale, uintptr_t residual) {
+    return cldnn::guarded_call([&] {
+        if (!args) throw std::invalid_argument("null arguments");
+        run(*args, reinterpret_cast<const void *>(src), src_scale, reinterpret_cast<const void *>(weight), weight_id,
+            weight_version, reinterpret_cast<const float *>(weight_scales), reinterpret_cast<const void *>(bias),
+            reinterpret_cast<void *>(dst), dst_scale, reinterpret_cast<const void *>(residual));
+    });
+}
+
+int cl_qconv_impl_name(const cl_qconv_args *args, char *out, int outlen) {
+    return cldnn::guarded_call([&] {
+        if (!args) throw std::invalid_argument("null arguments");
+        validate(*args);
+        cldnn::write_error_str(out, outlen, cache().get(*args)->impl);
+    });
+}
+
+}  // extern "C"

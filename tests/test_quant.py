@@ -1,0 +1,225 @@
+"""INT8: PT2E-quantized graphs on the int8 conv and pool (cpu_layout/quant, csrc/qconv.cpp, csrc/qpool.cpp).
+
+Reference: the same computation in eager PyTorch (the quantized graph run as it is, or
+QConv.reference, which follows quantized_decomposed's formulas). An int8 result may sit
+one quantization step from eager's where the float value lands on a rounding boundary
+(oneDNN sums in int32 and rescales once; eager sums dequantized floats)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_layout.quant.ops import QConv, QMaxPool, channels_last
+
+U8, S8 = torch.uint8, torch.int8
+
+
+def _rand_q(size, dtype, cl=True):
+    lo, hi = (0, 256) if dtype is U8 else (-128, 128)
+    t = torch.randint(lo, hi, size, dtype=dtype)
+    return channels_last(t) if cl else t
+
+
+def _assert_int8_close(y, ref):
+    """At most one quantization step apart, on at most 1% of the values."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    d = (y.int() - ref.int()).abs()
+    assert d.max().item() <= 1, d.max()
+    assert (d > 0).float().mean().item() <= 0.01
+
+
+CASES = [  # ic, oc, k, stride, pad, groups, post_ops, out dtype, x zero point
+    (16, 32, 3, 1, 1, 1, ("relu",), U8, 0),
+    (16, 32, 3, 1, 1, 1, (), U8, 7),
+    (32, 32, 3, 2, 1, 32, (("clamp", 0.0, 6.0),), U8, 0),  # depthwise, relu6
+    (24, 48, 3, 1, 1, 4, ("hardswish",), S8, 3),             # grouped, signed output
+    (16, 64, 1, 1, 0, 1, ("add", "relu"), U8, 0),            # residual add as oneDNN's sum
+    (16, 64, 1, 2, 0, 1, ("add",), U8, 5),
+    (3, 16, 7, 2, 3, 1, ("relu",), U8, 120),                 # a stem on an NCHW input
+    (16, 8, 1, 1, 0, 1, ("silu",), torch.float32, 0),        # dequantized output
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-k{c[2]}s{c[3]}g{c[5]}-{c[7]}-{'+'.join(map(str, c[6]))}"
+                                             for c in CASES])
+def test_qconv_matches_the_dequantized_conv(case):
+    ic, oc, k, s, p, g, post, od, xzp = case
+    x = _rand_q((2, ic, 15, 13), U8, cl=ic != 3)
+    w = torch.randint(-128, 128, (oc, ic // g, k, k), dtype=S8)
+    ws, wz, b = torch.rand(oc) * 0.01 + 1e-3, torch.zeros(oc, dtype=torch.int64), torch.randn(oc)
+    q = QConv((s, s), (p, p), (1, 1), g, 0.02, xzp, U8, od, 0.05, 3 if od in (U8, S8) else 0, post, 0.04, 7)
+    oh, ow = (15 + 2 * p - k) // s + 1, (13 + 2 * p - k) // s + 1
+    r = _rand_q((2, oc, oh, ow), od) if "add" in post else None
+    y = q(x, w, ws, wz, b, r)
+    ref = q.reference(x, w, ws, wz, b, r)
+    assert y.stride() == channels_last(torch.empty(y.shape)).stride()
+    if od in (U8, S8):
+        _assert_int8_close(y, ref)
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert "ref" not in q.impl_name(x, w)
+
+
+def test_qconv_repacks_a_weight_changed_in_place():
+    x = _rand_q((1, 16, 8, 8), U8)
+    w = torch.randint(-128, 128, (32, 16, 3, 3), dtype=S8)
+    ws, wz = torch.full((32,), 0.01), torch.zeros(32, dtype=torch.int64)
+    q = QConv((1, 1), (1, 1), (1, 1), 1, 0.02, 0, U8, torch.float32)
+    before = q(x, w, ws, wz)
+    w.copy_(torch.randint(-128, 128, w.shape, dtype=S8))
+    after = q(x, w, ws, wz)
+    torch.testing.assert_close(after, q.reference(x, w, ws, wz, None), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(before, after)
+
+
+def test_qconv_with_asymmetric_weights_warns_and_runs_the_reference(monkeypatch):
+    from cpu_layout.quant import ops
+
+    monkeypatch.setattr(ops, "_warned", [])
+    x = _rand_q((1, 8, 6, 6), U8)
+    w = torch.randint(-128, 128, (8, 8, 1, 1), dtype=S8)
+    ws, wz = torch.full((8,), 0.01), torch.arange(8)
+    q = QConv((1, 1), (0, 0), (1, 1), 1, 0.02, 0, U8, U8, 0.05, 0, ("relu",))
+    with pytest.warns(RuntimeWarning, match="non-zero zero points"):
+        y = q(x, w, ws, wz)
+    assert torch.equal(y, q.reference(x, w, ws, wz, None))
+
+
+def test_qconv_rejects_bad_input_with_a_reason():
+    q = QConv((1, 1), (0, 0), (1, 1), 1, 0.02, 0, U8, U8, 0.05, 0)
+    w, ws, wz = torch.zeros(8, 4, 1, 1, dtype=S8), torch.ones(8), torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(TypeError, match="uint8"):
+        q(torch.zeros(1, 4, 3, 3), w, ws, wz)
+    with pytest.raises(ValueError, match="channels"):
+        q(torch.zeros(1, 5, 3, 3, dtype=U8), w, ws, wz)
+    with pytest.raises(RuntimeError, match="scales must be positive"):
+        QConv((1, 1), (0, 0), (1, 1), 1, -1.0, 0, U8, U8, 0.05, 0)(torch.zeros(1, 4, 3, 3, dtype=U8), w, ws, wz)
+
+
+@pytest.mark.parametrize("cl", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("ceil", [False, True], ids=["floor", "ceil"])
+@pytest.mark.parametrize("dtype", [U8, S8])
+def test_qmax_pool_matches_atens_float_pool(cl, ceil, dtype):
+    x = _rand_q((2, 24, 29, 30), dtype, cl=cl)
+    y = QMaxPool([3, 3], [2, 2], [1, 1], [1, 1], ceil)(x)
+    ref = torch.nn.functional.max_pool2d(x.float(), 3, 2, 1, 1, ceil_mode=ceil).to(dtype)
+    assert torch.equal(y, ref)
+    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+# ---- whole graphs from PT2E --------------------------------------------------------
+
+
+class _Net(nn.Module):
+    """A stem, max pool, a residual block with ReLU, a depthwise-separable block with a
+    residual add and no activation, hardswish, the classifier head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU())
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.c1 = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1), nn.BatchNorm2d(16), nn.ReLU())
+        self.c2 = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1), nn.BatchNorm2d(16))
+        self.relu = nn.ReLU()
+        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.BatchNorm2d(16), nn.ReLU6())
+        self.pw = nn.Sequential(nn.Conv2d(16, 16, 1), nn.BatchNorm2d(16))
+        self.hs = nn.Sequential(nn.Conv2d(16, 32, 1), nn.Hardswish())
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.pool(self.stem(x))
+        x = self.relu(self.c2(self.c1(x)) + x)
+        x = self.pw(self.dw(x)) + x
+        x = self.hs(x)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _quantized(model, example, calib):
+    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    xiq = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer")
+    model.train()
+    with torch.no_grad():  # batch-norm statistics of the calibration data keep activations at unit scale
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.reset_running_stats()
+                m.momentum = None
+        for c in calib:
+            model(c)
+    model.eval()
+    ep = torch.export.export(model, (example,), strict=True)
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+    prepared = pt2e.prepare_pt2e(ep.module(), quantizer)
+    for c in calib:
+        prepared(c)
+    return pt2e.convert_pt2e(prepared)
+
+
+@pytest.fixture(scope="module")
+def quantized_net():
+    torch.manual_seed(0)
+    model = _Net().eval()
+    calib = [torch.randn(2, 3, 32, 32) for _ in range(4)]
+    return model, _quantized(model, calib[0], calib)
+
+
+def _rel_rms(y, ref):
+    return ((y - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_pt2e_model_runs_its_convs_in_int8(quantized_net, cpp, mode, strict_compile, compiled_graphs):
+    from cpu_layout import ir
+
+    model, qm = quantized_net
+    x = torch.randn(2, 3, 32, 32)
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        fp32, eager_q = model(x), qm(x)
+        compiled = torch.compile(qm, backend="cpu_layout", options={"cpp_wrapper": cpp})
+        y = compiled(x)
+        y2 = compiled(x)
+    assert y.shape == eager_q.shape and y.stride() == eager_q.stride() and y.dtype == eager_q.dtype
+    assert torch.equal(y, y2)
+    # As accurate as the quantized graph run eagerly (against the float model), and close to it.
+    assert _rel_rms(y, fp32) <= 1.1 * _rel_rms(eager_q, fp32) + 1e-3
+    assert _rel_rms(y, eager_q) <= 0.05
+    # Every conv of the model ran as an int8 conv, and the max pool on int8.
+    graph = compiled_graphs[-1].cpu_layout_graph
+    calls = [type(n.target).__name__ for n in graph.nodes if isinstance(n, ir.Aten)]
+    assert calls.count("QConv") == 6, calls
+    assert calls.count("QMaxPool") == 1
+    assert not [n for n in graph.nodes if isinstance(n, ir.Conv) and n.x.dtype is torch.float32
+                and len(n.weight.size) == 4 and n.weight.size[2] > 1]
+
+
+def test_a_weight_changed_in_place_reaches_the_compiled_int8_model(quantized_net, strict_compile):
+    _model, qm = quantized_net
+    x = torch.randn(2, 3, 32, 32)
+    int8_weights = [t for t in qm.state_dict(keep_vars=True).values() if t.dtype is torch.int8 and t.dim() == 4]
+    assert int8_weights
+    w = int8_weights[1]
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(qm, backend="cpu_layout")
+            compiled(x)
+            w.copy_(torch.randint(-128, 128, w.shape, dtype=torch.int8))
+            y, ref = compiled(x), qm(x)
+        assert _rel_rms(y, ref) <= 0.05
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def test_unfused_quantization_is_named_under_the_plan_log(quantized_net, monkeypatch, capfd, strict_compile):
+    monkeypatch.setenv("CPU_LAYOUT_LOG", "plan")
+    _model, qm = quantized_net
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback of the whole graph
+        torch.compile(qm, backend="cpu_layout")(torch.randn(2, 3, 32, 32))
+    err = capfd.readouterr().err
+    assert "cpu_layout: int8: 7 patterns rewritten" in err
+    assert "quantize/dequantize nodes left as ATen ops" in err
