@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cpu_layout.quant import ops as qops
 from cpu_layout.quant.ops import QConv, QMaxPool, channels_last
 
 U8, S8 = torch.uint8, torch.int8
@@ -113,7 +114,7 @@ def test_qmax_pool_matches_atens_float_pool(cl, ceil, dtype):
 
 class _Net(nn.Module):
     """A stem, max pool, a residual block with ReLU, a depthwise-separable block with a
-    residual add and no activation, hardswish, the classifier head."""
+    residual add and no activation, an inception-style cat, an average pool, a pre-activation batch norm, hardswish, the classifier head."""
 
     def __init__(self):
         super().__init__()
@@ -124,6 +125,9 @@ class _Net(nn.Module):
         self.relu = nn.ReLU()
         self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.BatchNorm2d(16), nn.ReLU6())
         self.pw = nn.Sequential(nn.Conv2d(16, 16, 1), nn.BatchNorm2d(16))
+        self.ba = nn.Sequential(nn.Conv2d(16, 8, 1), nn.ReLU())
+        self.bb = nn.Sequential(nn.Conv2d(16, 8, 3, 1, 1), nn.ReLU())
+        self.pre = nn.Sequential(nn.BatchNorm2d(16), nn.ReLU())  # DenseNet's pre-activation
         self.hs = nn.Sequential(nn.Conv2d(16, 32, 1), nn.Hardswish())
         self.fc = nn.Linear(32, 10)
 
@@ -131,29 +135,16 @@ class _Net(nn.Module):
         x = self.pool(self.stem(x))
         x = self.relu(self.c2(self.c1(x)) + x)
         x = self.pw(self.dw(x)) + x
-        x = self.hs(x)
+        x = torch.cat([self.ba(x), self.bb(x)], 1)
+        x = self.hs(self.pre(nn.functional.avg_pool2d(x, 2)))  # float ops between int8 ops
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
 def _quantized(model, example, calib):
-    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
-    xiq = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer")
-    model.train()
-    with torch.no_grad():  # batch-norm statistics of the calibration data keep activations at unit scale
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.reset_running_stats()
-                m.momentum = None
-        for c in calib:
-            model(c)
-    model.eval()
-    ep = torch.export.export(model, (example,), strict=True)
-    quantizer = xiq.X86InductorQuantizer()
-    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
-    prepared = pt2e.prepare_pt2e(ep.module(), quantizer)
-    for c in calib:
-        prepared(c)
-    return pt2e.convert_pt2e(prepared)
+    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    from cpu_layout import zoo
+
+    return zoo.quantize_pt2e(model, example, calib)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +162,7 @@ def _rel_rms(y, ref):
 @pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_a_pt2e_model_runs_its_convs_in_int8(quantized_net, cpp, mode, strict_compile, compiled_graphs):
-    from cpu_layout import ir
+    from cpu_layout import ir, runtime
 
     model, qm = quantized_net
     x = torch.randn(2, 3, 32, 32)
@@ -180,7 +171,11 @@ def test_a_pt2e_model_runs_its_convs_in_int8(quantized_net, cpp, mode, strict_co
         fp32, eager_q = model(x), qm(x)
         compiled = torch.compile(qm, backend="cpu_layout", options={"cpp_wrapper": cpp})
         y = compiled(x)
+        copies = qops.COPIES["count"] + runtime.COPIES["count"]
         y2 = compiled(x)
+    # int8 tensors stay channels-last between int8 ops: one layout copy per call, of the
+    # quantized NCHW input (the wrapper's conversions and the int8 ops' own counted).
+    assert qops.COPIES["count"] + runtime.COPIES["count"] - copies == 1
     assert y.shape == eager_q.shape and y.stride() == eager_q.stride() and y.dtype == eager_q.dtype
     assert torch.equal(y, y2)
     # As accurate as the quantized graph run eagerly (against the float model), and close to it.
@@ -189,8 +184,8 @@ def test_a_pt2e_model_runs_its_convs_in_int8(quantized_net, cpp, mode, strict_co
     # Every conv of the model ran as an int8 conv, and the max pool on int8.
     graph = compiled_graphs[-1].cpu_layout_graph
     calls = [type(n.target).__name__ for n in graph.nodes if isinstance(n, ir.Aten)]
-    assert calls.count("QConv") == 6, calls
-    assert calls.count("QMaxPool") == 1
+    assert calls.count("QConv") == 8, calls
+    assert calls.count("QMaxPool") == 1 and calls.count("QCat") == 1
     assert not [n for n in graph.nodes if isinstance(n, ir.Conv) and n.x.dtype is torch.float32
                 and len(n.weight.size) == 4 and n.weight.size[2] > 1]
 
@@ -221,5 +216,5 @@ def test_unfused_quantization_is_named_under_the_plan_log(quantized_net, monkeyp
         warnings.simplefilter("error", RuntimeWarning)  # no fallback of the whole graph
         torch.compile(qm, backend="cpu_layout")(torch.randn(2, 3, 32, 32))
     err = capfd.readouterr().err
-    assert "cpu_layout: int8: 7 patterns rewritten" in err
+    assert "cpu_layout: int8: 10 patterns rewritten" in err
     assert "quantize/dequantize nodes left as ATen ops" in err

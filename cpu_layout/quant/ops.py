@@ -46,12 +46,23 @@ def quantize(y: torch.Tensor, scale: float, zp: int, dtype) -> torch.Tensor:
     return torch.clamp(torch.round(y * (1.0 / scale)) + zp, lo, hi).to(dtype)
 
 
+# Layout copies the int8 ops made of their inputs (tests: an int8 graph makes only
+# the copies its plan predicts).
+COPIES = {"count": 0}
+
+
 def channels_last(t: torch.Tensor) -> torch.Tensor:
     """t dense with channels innermost (a copy only when it is not)."""
     if t.dim() == 3:
-        return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+        if t.transpose(1, 2).is_contiguous():
+            return t
+        COPIES["count"] += 1
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
     fmt = _CL_FORMAT[t.dim()]
-    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
+    if t.is_contiguous(memory_format=fmt):
+        return t
+    COPIES["count"] += 1
+    return t.contiguous(memory_format=fmt)
 
 
 def empty_channels_last(size, dtype) -> torch.Tensor:
@@ -200,6 +211,14 @@ class QConv:
             raise RuntimeError(f"cpu_layout int8 conv failed: {ffi.string(lib.cl_last_error()).decode()}")
         return out
 
+    def fake(self, x, w, *_rest):
+        """The result's metadata for fake (meta) inputs: what the graph's fake values say."""
+        size = [x.shape[0], w.shape[0]]
+        for i in range(self.nsp):
+            k, s, p, d = w.shape[2 + i], self.stride[i], self.padding[i], self.dilation[i]
+            size.append((x.shape[2 + i] + 2 * p - d * (k - 1) - 1) // s + 1)
+        return empty_channels_last(size, self.out_dtype)
+
     def impl_name(self, x: torch.Tensor, w: torch.Tensor, has_bias: bool = True) -> str:
         """oneDNN's implementation for this conv at x's size ("ref" would be a bug)."""
         args, _ = self._make_args(channels_last(x), w, has_bias)
@@ -249,13 +268,23 @@ class QMaxPool:
             out.append(o)
         return tuple(out)
 
+    def _layout_cl(self, x) -> bool:
+        return not x.is_contiguous() or x.dim() == 3
+
+    def fake(self, x):
+        """The result's metadata for a fake input (ATen's float pool gives the sizes)."""
+        y = torch.ops.aten.max_pool2d.default(torch.empty(x.shape), self.k, self.s, self.p, self.d, self.ceil) \
+            if x.dim() == 4 else None
+        size = tuple(y.shape) if y is not None else self.out_size(tuple(x.shape))
+        return empty_channels_last(size, x.dtype) if self._layout_cl(x) else torch.empty(size, dtype=x.dtype)
+
     def __call__(self, x: torch.Tensor, *_args) -> torch.Tensor:
         if x.dtype not in _RANGE:
             raise TypeError(f"int8 max pool: expected uint8 or int8, got {x.dtype}")
         nsp = x.dim() - 2
         if nsp != len(self.k):
             raise ValueError(f"int8 max pool: a {len(self.k)}-d pool got a {x.dim()}-d input")
-        cl = not x.is_contiguous() or nsp == 1
+        cl = self._layout_cl(x)
         x = channels_last(x) if cl else x
         size = self.out_size(tuple(x.shape))
         out = empty_channels_last(size, x.dtype) if cl else torch.empty(size, dtype=x.dtype)
@@ -270,3 +299,23 @@ class QMaxPool:
         if rc:
             raise RuntimeError(f"cpu_layout int8 max pool failed: {ffi.string(lib.cl_last_error()).decode()}")
         return out
+
+
+class QCat:
+    """cat of uint8/int8 tensors sharing one quantization, channels-last like the int8
+    convs that read it (the planner does not lay out int8 tensors: a cat it planned
+    contiguous made every reading conv copy its input back)."""
+
+    __name__ = "cpu_layout_qcat"
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def __call__(self, parts) -> torch.Tensor:
+        if not parts or any(p.dtype not in _RANGE or p.dtype != parts[0].dtype for p in parts):
+            raise TypeError("int8 cat: expected uint8 or int8 tensors of one dtype")
+        if parts[0].dim() < 3:
+            return torch.cat(parts, self.dim)
+        return torch.cat([channels_last(p) for p in parts], self.dim)
+
+    fake = __call__  # torch.cat and the layout change work on fake tensors as they are

@@ -10,8 +10,9 @@ pass runs before lowering and replaces
 with one `QConv` call on the uint8/int8 tensors (csrc/qconv.cpp), and
 
     dequantize_per_tensor(q) -> max_pool2d -> quantize_per_tensor (same scale and zero point)
+    cat(dequantize_per_tensor(q_i), ...) -> quantize_per_tensor (one scale and zero point)
 
-with the max pool on q itself. The calls' outputs are channels-last, which
+with the max pool (oneDNN's int8 pooling) or the cat on the int8 tensors themselves. The calls' outputs are channels-last, which
 their fake values say, so the planner sees int8 tensors flow between convs
 without copies. What does not match (a narrowed quantization range, a weight
 that is not module state, autocast around the graph, per-channel activation
@@ -28,7 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from cpu_layout import config
-from cpu_layout.quant.ops import QConv, QMaxPool, full_range
+from cpu_layout.quant.ops import QCat, QConv, QMaxPool, full_range
 
 aten = torch.ops.aten
 
@@ -219,6 +220,30 @@ class _Rewriter:
         q_node.replace_all_uses_with(new)
         return True
 
+    def cat(self, c: Node) -> bool:
+        """cat of dequantized tensors sharing one scale and zero point, quantized with them
+        again (X86InductorQuantizer shares a cat's quantization with its inputs): the cat of
+        the int8 tensors, a copy of bytes."""
+        parts = c.args[0]
+        dqs = [self.dq_tensor(p) for p in parts]
+        if not dqs or any(d is None for d in dqs):
+            return False
+        qparams = {(d.scale, d.zp, d.dtype) for d in dqs}
+        q_node = self.only_user(c)
+        if len(qparams) != 1 or q_node is None or self.q_tensor(q_node) not in qparams:
+            return False
+        dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
+        srcs = [d.src for d in dqs]
+        vals = [_val(s) for s in srcs]
+        if getattr(vals[0], "fake_mode", None) is None:
+            return False
+        with self.g.inserting_before(q_node):
+            new = self.g.call_function(QCat(dim), (srcs,))
+        v = _val(q_node)
+        new.meta["val"] = _channels_last_like(v, v.dtype) if v.dim() >= 3 else v
+        q_node.replace_all_uses_with(new)
+        return True
+
     def run(self) -> int:
         changed = 0
         for n in list(self.g.nodes):
@@ -228,8 +253,11 @@ class _Rewriter:
                 changed += self.conv(n)
             elif n.target is aten.max_pool2d_with_indices.default:
                 changed += self.max_pool(n)
+            elif n.target is aten.cat.default:
+                changed += self.cat(n)
         if changed:
             self.g.eliminate_dead_code()
+            _refresh_fake_values(self.g)
             self.gm.recompile()
         for r in dict.fromkeys(self.reasons):
             _log(f"left as ATen ops: {r}")
@@ -251,6 +279,41 @@ def _channels_last_like(v, dtype):
             return torch.empty((n, w, c), dtype=dtype).transpose(1, 2)
         fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
         return torch.empty(v.shape, dtype=dtype, memory_format=fmt)
+
+
+def _refresh_fake_values(g) -> None:
+    """Fake values again downstream of the rewritten nodes, whose outputs are channels-last
+    where the float graph's were contiguous: eager strides are what the planner lays out
+    and what EAGER-rule ops are handed, and stale contiguous ones made it convert every int8
+    tensor to NCHW and back. Graph outputs keep the fake values they had (the user's eager
+    model gives them their strides); a node whose value cannot be recomputed keeps its own."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in g.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    keep = set()
+    torch.fx.node.map_arg(out.args, keep.add)
+    started = False
+
+    def v(a):
+        return a.meta.get("val") if isinstance(a, Node) else a
+
+    with mode:
+        for n in g.nodes:
+            if n.op != "call_function":
+                continue
+            fake = getattr(n.target, "fake", None)
+            started = started or fake is not None
+            if not started or n in keep:
+                continue
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), v)
+            try:
+                n.meta["val"] = fake(*args, **kwargs) if fake is not None else n.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - keep the old value: stale strides cost copies, never values
+                pass
 
 
 def has_quantized_ops(gm: GraphModule) -> bool:
