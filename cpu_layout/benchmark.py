@@ -26,6 +26,14 @@ Backends
                      (_openvino_graph_runner): OpenVINO's compute plus torch.compile's per-call
                      share, which every backend pays.
 
+INT8 (PT2E graphs from cpu_layout.zoo.quantize_pt2e): compile the quantized graph module
+with any backend above at dtype "float32" (it takes and returns fp32 tensors; eager is
+then the quantized graph run as is). compile_openvino_int8(fp32 model, calibration
+batches) is OpenVINO INT8 (NNCF's nncf.quantize on the same batches). int8_check holds an
+int8 output to the eager quantized graph's (relative RMS error against the fp32 model,
+top-1 agreement) instead of PyTorch's float tolerances; run_accuracy_int8 is
+run_accuracy with that check (scripts/single_run.py DT=int8).
+
 Every compiled backend is wrapped in a distinct counting callable: Dynamo cannot
 share cache entries between two configurations (torch.compile(backend="inductor")
 with equal options would), and `check_own_code` proves that timed calls ran the
@@ -49,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -321,6 +330,73 @@ def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOComp
         raise NotSupportedYet(f"openvino is not importable ({type(exc).__name__}: {exc})") from exc
     m = prepare_model(model, "float32", False)
     return OpenVINOCompiled("openvino", dtype, dynamic, "default", False, m, fn=m)
+
+
+@dataclasses.dataclass
+class OpenVINOInt8Compiled(OpenVINOCompiled):
+    """OpenVINO INT8 as its users make it, for comparison with PT2E int8 graphs: on the
+    first call ov.convert_model(fp32 model, example_input=x), input fixed to x's shape,
+    nncf.quantize(ov_model, nncf.Dataset(calibration batches as numpy arrays)) with
+    NNCF's defaults (its CPU preset, fast bias correction), then ov.compile_model(...,
+    "CPU", {INFERENCE_PRECISION_HINT: f32, INFERENCE_NUM_THREADS}): f32 for what stays
+    unquantized, as in the PT2E graph. `int8_layers` counts the convolutions and
+    fully-connected layers of the compiled model that run in u8/i8 (0: not quantized)."""
+
+    calibration: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    int8_layers: int = 0
+
+    def _compile(self, x: torch.Tensor, **extra):
+        import sys
+
+        import nncf
+        import openvino as ov
+
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            m = ov.convert_model(self.model, example_input=x)
+        m.reshape(list(x.shape))
+        data = nncf.Dataset([c.detach().to(torch.float32).contiguous().numpy()
+                             for c in self.calibration])
+        with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars: keep stdout a table
+            q = nncf.quantize(m, data, subset_size=len(self.calibration))
+        cfg = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+               **extra}
+        compiled = ov.compile_model(q, "CPU", cfg)
+        self.int8_layers = _openvino_int8_layers(compiled)
+        return compiled
+
+
+def _openvino_int8_layers(compiled) -> int:
+    n = 0
+    for op in compiled.get_runtime_model().get_ops():
+        info = op.get_rt_info()
+        if "layerType" not in info or "runtimePrecision" not in info:
+            continue
+        if (info["layerType"].astype(str) in ("Convolution", "FullyConnected", "MatMul")
+                and info["runtimePrecision"].astype(str) in ("u8", "i8")):
+            n += 1
+    return n
+
+
+def compile_openvino_int8(model: torch.nn.Module, calibration: Sequence[torch.Tensor]
+                          ) -> OpenVINOInt8Compiled:
+    """OpenVINO INT8 (NNCF post-training quantization of the fp32 `model` on the
+    `calibration` batches, each shaped like the input it will run): see
+    OpenVINOInt8Compiled. Static shapes. NotSupportedYet when openvino or nncf
+    does not import."""
+    try:
+        import openvino  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise NotSupportedYet(f"openvino is not importable ({type(exc).__name__}: {exc})") from exc
+    try:
+        import nncf  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise NotSupportedYet(f"OpenVINO INT8 needs nncf (pip install nncf; "
+                              f"{type(exc).__name__}: {exc})") from exc
+    if not calibration:
+        raise ValueError("compile_openvino_int8 needs calibration batches")
+    m = prepare_model(model, "float32", False)
+    return OpenVINOInt8Compiled("openvino", "float32", False, "default", False, m, fn=m,
+                                calibration=list(calibration))
 
 
 def _openvino_graph_runner(model: torch.nn.Module, dtype: str):
@@ -707,6 +783,132 @@ def run_accuracy(name: str, model: torch.nn.Module, x: torch.Tensor, backend: st
                        warnings=list(c.fallback_warnings), **stats)
     if not ok:
         r.reason = f"{name}, AccuracyError: {describe_error(ref1, res, fp64, dtype)}"
+    return r
+
+
+# --------------------------------------------------------------------------
+# INT8 accuracy: against the quantized graph run eagerly, not against fp64
+# (an int8 result may sit one quantization step from eager's where a value lands
+# on a rounding boundary, so PyTorch's float tolerances do not apply)
+# --------------------------------------------------------------------------
+INT8_RMS_FACTOR = 1.1      # rel. RMS error against fp32: at most this times eager-quantized's
+INT8_TOP1 = 0.99           # top-1 agreement with eager-quantized: at least this fraction of rows
+INT8_RMS_FLOOR = 0.5       # ... and at least this times eager-quantized's (else: not int8)
+
+
+def quantize_nodes(module: torch.nn.Module) -> int:
+    """quantized_decomposed calls in a graph module (0: not a PT2E-quantized graph)."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return 0
+    return sum(1 for n in graph.nodes
+               if n.op == "call_function" and "quantized_decomposed" in str(n.target))
+
+
+def rel_rms(y, ref) -> float:
+    """RMS(y - ref) / RMS(ref) over all outputs (flattened, in float64)."""
+    a, b = _flatten(y), _flatten(ref)
+    num = sum(float((p.double() - q.double()).pow(2).sum()) for p, q in zip(a, b))
+    den = sum(float(q.double().pow(2).sum()) for q in b)
+    return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def top1_agreement(y, ref) -> Optional[float]:
+    """Fraction of positions whose argmax over dim 1 (the classes of [N, C, ...] logits)
+    is the same in `y` and `ref`; None when no output has two dims."""
+    same = total = 0
+    for p, q in zip(_flatten(y), _flatten(ref)):
+        if p.dim() < 2 or p.shape != q.shape or p.numel() == 0:
+            continue
+        eq = p.float().argmax(1) == q.float().argmax(1)
+        same += int(eq.sum())
+        total += eq.numel()
+    return same / total if total else None
+
+
+def int8_check(out, eager_q, fp32, against: str = "eager_q") -> Tuple[bool, str, Dict[str, Any]]:
+    """(ok, reason, numbers) for one int8 variant's output `out`, given the quantized
+    graph's eager output `eager_q` and the fp32 model's output `fp32`.
+
+    against="eager_q" (a backend running the same quantized graph): rel. RMS error
+    against fp32 at most INT8_RMS_FACTOR times eager_q's, top-1 agreement with eager_q
+    on at least INT8_TOP1 of the rows, and that error at least INT8_RMS_FLOOR times
+    eager_q's (the same quantization cannot be much more accurate: an output near fp32
+    means an fp32 model was measured in the quantized graph's place; deep models'
+    compiled int8 outputs sit about half the quantization error from eager_q's, one
+    rounding step flipping here and there, so nearness to eager_q cannot tell).
+    against="fp32" (another quantizer, OpenVINO's NNCF): the same RMS bound, and top-1
+    agreement with fp32 no lower than eager_q's own."""
+    a, b, c = _flatten(out), _flatten(eager_q), _flatten(fp32)
+    if [tuple(t.shape) for t in a] != [tuple(t.shape) for t in b] or len(b) != len(c):
+        return False, (f"output sizes {[tuple(t.shape) for t in a]}, eager-quantized "
+                       f"{[tuple(t.shape) for t in b]}"), {}
+    a = [t.to(q.dtype) for t, q in zip(a, b)]
+    nums: Dict[str, Any] = {"rms": rel_rms(a, c), "rms_eager_q": rel_rms(b, c),
+                            "rms_vs_q": rel_rms(a, b), "fp32_vs_q": rel_rms(c, b),
+                            "top1_fp32": top1_agreement(a, c)}
+    bound = INT8_RMS_FACTOR * nums["rms_eager_q"] + 1e-6
+    why = []
+    if not nums["rms"] <= bound:
+        why.append(f"rel. RMS error vs fp32 {nums['rms']:.4g} > {INT8_RMS_FACTOR} x "
+                   f"eager-quantized's {nums['rms_eager_q']:.4g}")
+    if against == "eager_q":
+        nums["top1"] = top1_agreement(a, b)
+        if nums["top1"] is not None and nums["top1"] < INT8_TOP1:
+            why.append(f"top-1 agreement with eager-quantized {nums['top1']:.3f} < {INT8_TOP1}")
+        if nums["rms"] < INT8_RMS_FLOOR * nums["rms_eager_q"]:
+            why.append(f"rel. RMS error vs fp32 {nums['rms']:.4g} < {INT8_RMS_FLOOR} x eager-quantized's "
+                       f"{nums['rms_eager_q']:.4g}: more accurate than its quantization allows, "
+                       f"an fp32 model computed in its place?")
+    else:
+        nums["top1"] = top1_agreement(a, c)
+        nums["top1_eager_q"] = top1_agreement(b, c)
+        if nums["top1"] is not None and nums["top1"] < nums["top1_eager_q"]:
+            why.append(f"top-1 agreement with fp32 {nums['top1']:.3f} < eager-quantized's "
+                       f"{nums['top1_eager_q']:.3f}")
+    return not why, "; ".join(why), nums
+
+
+def run_accuracy_int8(name: str, fp32_model: torch.nn.Module, qmodel: torch.nn.Module,
+                      x: torch.Tensor, backend: str, dynamic: bool = False,
+                      wrapper: str = "default", channels_last: bool = False) -> AccuracyResult:
+    """run_accuracy for `qmodel`, a PT2E-quantized graph of `fp32_model` (zoo.quantize_pt2e):
+    two eager runs of the quantized graph (tol=0), then the compiled quantized graph
+    checked with int8_check against the eager one (rel. RMS error against
+    `fp32_model`'s output, top-1 agreement). NotSupportedYet propagates."""
+    eager = compile_model(qmodel, "eager", "float32", False, "default", channels_last)
+    xe = eager.prepare_input(x)
+    try:
+        ref1 = eager(xe)
+        ref2 = eager(eager.prepare_input(x))
+        with torch.no_grad():
+            fp32 = fp32_model(x)
+    except Exception as exc:  # noqa: BLE001
+        return AccuracyResult("fail_to_run", one_line(name, exc))
+    if not bitwise_equal(ref1, ref2):
+        return AccuracyResult("eager_two_runs_differ", f"{name}, eager outputs of two runs differ")
+    del ref2
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        c = compile_model(qmodel, backend, "float32", dynamic, wrapper, channels_last)
+        xc = c.prepare_input(x)
+        c.first_call(xc)
+        c.mark()
+        res = c(xc)
+        c.check_own_code(1)
+    except NotSupportedYet:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return AccuracyResult("fail_to_run", one_line(name, exc), **dynamo_stats())
+    stats = dynamo_stats()
+    ok, why, _ = int8_check(res, ref1, fp32)
+    r = AccuracyResult("pass" if ok else "fail_accuracy", "", strides_ok=strides_match(ref1, res),
+                       warnings=list(c.fallback_warnings), **stats)
+    if not ok:
+        r.reason = f"{name}, AccuracyError (int8): {why}"
     return r
 
 

@@ -167,3 +167,70 @@ def compare_with_eager(model: torch.nn.Module, shape: Tuple[int, ...], dtype: st
         if not B.values_match(ref, out, fp64, dtype):
             problems.append(f"batch {bs}: values: " + B.describe_error(ref, out, fp64, dtype))
     return problems
+
+
+# ---- INT8: PyTorch's PT2E flow -------------------------------------------------------
+
+CALIBRATION_BATCHES = 8
+
+
+def calibration_batches(example: torch.Tensor, count: int = CALIBRATION_BATCHES,
+                        seed: int = 0) -> List[torch.Tensor]:
+    """`count` random batches shaped like `example` (standard normal, from a
+    torch.Generator seeded `seed`): the fixed calibration set of the INT8 benchmarks,
+    the same for PT2E and for OpenVINO's NNCF."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(example.shape, generator=g, dtype=example.dtype) for _ in range(count)]
+
+
+def quantize_pt2e(model: torch.nn.Module, example_input: torch.Tensor,
+                  calibration_batches: List[torch.Tensor]) -> torch.nn.Module:
+    """PyTorch's INT8 flow (PT2E, static quantization) for x86 CPUs: the converted
+    graph module, fp32 ATen ops between quantized_decomposed quantize/dequantize
+    nodes with int8 weight constants, as `torch.compile` backends receive it.
+
+    1. Batch-norm statistics of `model` are re-estimated on the calibration batches,
+       IN PLACE (so the fp32 model and its quantized graph compute the same function):
+       torchvision's random init leaves them at (0, 1), and mobilenet/efficientnet
+       activations then shrink to ~1e-10, which int8 rounds to 0.
+    2. torch.export.export(model, (example_input,), strict=True): with torch 2.13's
+       default non-strict export, X86InductorQuantizer fails on ResNets ("Input
+       partition has more than one output node": a ReLU module called several times
+       is one source partition).
+    3. torchao's X86InductorQuantizer, default config (per-channel symmetric int8
+       weights, per-tensor uint8 activations), prepare_pt2e, one call per calibration
+       batch, convert_pt2e.
+
+    The result keeps export's guard on the batch size of `example_input` (another
+    batch size raises "Guard failed"): quantize at the batch size you run. `model`
+    is left in eval mode. Needs torchao (pip install torchao==0.18.0)."""
+    try:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    except ImportError as exc:
+        raise ImportError(f"INT8 quantization (PT2E) needs torchao: pip install torchao==0.18.0 "
+                          f"({exc})") from exc
+    if not calibration_batches:
+        raise ValueError("quantize_pt2e needs at least one calibration batch")
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in bns]
+    model.train()
+    try:
+        with torch.no_grad():
+            for m in bns:
+                m.reset_running_stats()
+                m.momentum = None  # cumulative average over the calibration batches
+            for c in calibration_batches:
+                model(c)
+    finally:
+        for m, mom in zip(bns, momenta):
+            m.momentum = mom
+        model.eval()
+    ep = torch.export.export(model, (example_input,), strict=True)
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(ep.module(), quantizer)
+    with torch.no_grad():
+        for c in calibration_batches:
+            prepared(c)
+    return convert_pt2e(prepared)

@@ -3,8 +3,8 @@
 
 Suites: builtin (cpu_layout.models, small inputs), torchvision and timm (cpu_layout.zoo,
 random weights, nothing downloads; inputs --batch (1) x 3 x --size x --size (224)).
-For every model x dtype (float32, amp) x shape (static, dynamic = batch dim only):
-median latency of
+For every model x dtype (float32, amp; bfloat16, int8 on request) x shape (static,
+dynamic = batch dim only): median latency of
   eager      the model as is
   eager_cl   eager, model and input in channels_last
   ind        Inductor, default configuration
@@ -19,6 +19,7 @@ median latency of
   ovdyn      the same OpenVINO model run by a Dynamo backend under torch.compile: what
              OpenVINO would measure through torch.compile's per-call share (guards,
              parameters gathered as inputs), the peer of cpl and cplcpp
+  cplcpp32   (int8 rows only) cpu_layout, C++ wrapper, on the unquantized fp32 model
 timed in interleaved rounds in the same process (so machine noise hits all alike),
 speedups vs eager, vs frz and (cpl, cplcpp) vs ov, compile time (first call minus a
 median call) of each compiled backend, and a check of every compiled output against
@@ -26,12 +27,48 @@ eager: values with PyTorch's benchmark tolerances (cpu_layout.benchmark.TOLERANC
 output strides (size-1 dims ignored; not for ov, which returns numpy arrays). Geomeans
 at the bottom.
 
+INT8 (--dtypes int8; static shapes only): each model is quantized once with PyTorch's
+PT2E flow, cpu_layout.zoo.quantize_pt2e: its batch-norm statistics re-estimated on 8
+calibration batches (zoo.calibration_batches: random, shaped like the input, seeded 0;
+torchvision's random init leaves them at (0, 1) and mobilenet/efficientnet activations
+then shrink to ~1e-10, which int8 rounds to 0), torch.export.export(..., strict=True)
+(torch 2.13's default non-strict export makes X86InductorQuantizer fail on ResNets:
+"Input partition has more than one output node"), torchao's X86InductorQuantizer
+(default static config), prepare_pt2e, calibration on the same batches, convert_pt2e.
+The graph keeps export's guard on the batch size, so it is quantized at --batch. In an
+int8 row every variant but ov and cplcpp32 times that one quantized graph module:
+  eager      the quantized graph run as is (q/dq as ATen ops around fp32 convs)
+  eager_cl   the same, module and input channels_last
+  ind, frz, frzpy   Inductor on it (with freezing, frz and frzpy, Inductor's int8
+             patterns become onednn.qconv_pointwise / qlinear_pointwise; without, ind,
+             its q/dq become generated code around fp32 convs)
+  cpl, cplcpp       torch.compile(quantized graph, backend="cpu_layout")
+  cplexp     compile_exported(torch.export.export(quantized graph, (x,)))
+  ov         OpenVINO INT8 as its users make it: ov.convert_model of the fp32 model,
+             nncf.quantize(ov_model, nncf.Dataset(the same calibration batches as
+             numpy)) with NNCF's defaults, ov.compile_model (INFERENCE_PRECISION_HINT
+             f32 for what stays unquantized; benchmark.OpenVINOInt8Compiled; needs nncf)
+  cplcpp32   our fp32 (C++ wrapper) on the unquantized model, batch-norm statistics
+             re-estimated as for quantization (the same function)
+(ovdyn is not measured for int8.) "x eager" is then against the eager quantized graph,
+"x ov" against OpenVINO INT8, "x frz" against Inductor's int8, "x cplcpp32" against our
+own fp32; the lines under the table give cpl/cplcpp/cplexp vs ov, vs frz and vs
+cplcpp32 over the int8 rows. Values (benchmark.int8_check) are checked against the eager
+quantized graph, not with PyTorch's float tolerances: relative RMS error against the
+fp32 model's output at most 1.1x the eager quantized graph's, top-1 agreement with it
+on at least 99% of rows, and that error at least half the eager graph's (else an fp32
+model was measured: flag not_int8, as for a timed module without q/dq nodes, or an
+OpenVINO model with no int8 convolution). ov is held to the same RMS bound and to
+top-1 agreement with fp32 no lower than the eager quantized graph's; a miss is flagged
+ov:values (NNCF's defaults and PT2E quantize differently). The notes give every
+variant's error. cplcpp32 is checked as an fp32 variant against the fp32 model.
+
 Each configuration starts from torch._dynamo.reset(); each compiled backend has its
 own counting backend and the script checks that the timed calls ran the code that
 backend compiled (and, for frz, that Inductor's freeze() really ran).
 
     python scripts/bench_models.py [--suite builtin|torchvision|timm] [--models a,b]
-                                   [--batch N] [--size N] [--dtypes float32,amp]
+                                   [--batch N] [--size N] [--dtypes float32,amp,int8]
                                    [--shapes static,dynamic] [--backends eager,cplcpp,ov]
                                    [--threads N] [--iters N] [--quick] [--csv PATH]
                                    [--skip-guards] [--guard-filter]
@@ -91,14 +128,28 @@ VARIANTS = {
     # on torch 2.13 (see cpu_layout.benchmark.OpenVINOCompiled)
     "ov": ("openvino", False, "default"),
     "ovdyn": ("openvino_dynamo", False, "default"),
+    # int8 rows only: this project's fp32 cpu_layout (C++ wrapper) on the unquantized model
+    "cplcpp32": ("cpu_layout", False, "cpp"),
 }
-COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "cplexp", "ov", "ovdyn")
+COMPILED = ("ind", "frz", "frzpy", "cpl", "cplcpp", "cplexp", "ov", "ovdyn", "cplcpp32")
 OURS = ("cpl", "cplcpp", "cplexp")
+PINNED = OURS + ("cplcpp32",)  # variants that run on our backend (pinned OpenMP workers)
 # Comparisons printed under the table: (ours, theirs, what kind of comparison).
 PAIRS = (("cpl", "frzpy", "same kind of wrapper"), ("cplcpp", "frz", "same kind of wrapper"),
          ("cpl", "ov", "OpenVINO"), ("cplcpp", "ov", "OpenVINO"), ("cplexp", "ov", "OpenVINO"),
          ("cplcpp", "ovdyn", "OpenVINO, both through torch.compile's frame"),
          ("ovdyn", "ov", "torch.compile's per-call share, on OpenVINO's compute"))
+# The same for int8 rows (ov there is OpenVINO INT8, frz Inductor's int8 on the same
+# quantized graph, cplcpp32 our own fp32 on the unquantized model).
+INT8_PAIRS = (("cpl", "ov", "OpenVINO INT8 (NNCF)"), ("cplcpp", "ov", "OpenVINO INT8 (NNCF)"),
+              ("cplexp", "ov", "OpenVINO INT8 (NNCF)"),
+              ("cpl", "frz", "Inductor int8, freezing + C++ wrapper"),
+              ("cplcpp", "frz", "Inductor int8, freezing + C++ wrapper"),
+              ("cplexp", "frz", "Inductor int8, freezing + C++ wrapper"),
+              ("cpl", "cplcpp32", "our own fp32, unquantized model"),
+              ("cplcpp", "cplcpp32", "our own fp32, unquantized model"),
+              ("cplexp", "cplcpp32", "our own fp32, unquantized model"))
+INT8 = "int8"
 # --models all for the real suites: common classification CNNs.
 SUITE_ALL = {
     "torchvision": ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0",
@@ -146,15 +197,47 @@ def run_config(name, dtype, shape, variants, args):
     torch._dynamo.reset()
     res = {"model": name, "dtype": dtype, "shape": shape, "batch": batch,
            "lat": {}, "compile": {}, "status": {}, "flags": [], "reasons": []}
+    int8 = dtype == INT8
+    run_dtype = "float32" if int8 else dtype  # the quantized graph takes fp32 input
+    if int8:
+        # PT2E once per model: the quantized graph every int8 torch variant times; the fp32
+        # model (its batch-norm statistics re-estimated on the same batches) for cplcpp32,
+        # OpenVINO INT8 and the fp32 reference.
+        calib = zoo.calibration_batches(x)
+        t0 = time.perf_counter()
+        try:
+            qmodel = zoo.quantize_pt2e(model, x, calib)
+        except Exception as exc:  # noqa: BLE001
+            res["status"]["eager"] = "fail_to_run"
+            res["flags"].append("quantize:fail")
+            res["reasons"].append("quantize_pt2e: " + B.one_line(name, exc))
+            return res
+        res["quantize_s"] = time.perf_counter() - t0
+        res["qnodes"] = B.quantize_nodes(qmodel)
+        with torch.no_grad():
+            fp32_out = model(x)
+        res["int8"] = {}
     fns = {}
     ref = None
     for label in variants:
         backend, cl, wrapper = VARIANTS[label]
+        if label == "cplcpp32" and not int8:
+            continue  # int8 rows only (in fp32 rows it is cplcpp)
+        if int8 and label == "ovdyn":
+            res["status"][label] = "not_supported"
+            res["reasons"].append(f"{label}: OpenVINO INT8 through a Dynamo backend is not measured "
+                                  f"(ov is OpenVINO INT8 called directly)")
+            continue
         try:
-            c = B.compile_model(model, backend, dtype, dynamic if backend != "eager" else False,
-                                wrapper, cl, reset=False,
-                                guard_filter_fn=(torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
-                                                 if args.guard_filter else None))
+            if int8 and label == "ov":
+                c = B.compile_openvino_int8(model, calib)
+            else:
+                src = qmodel if int8 and label != "cplcpp32" else model
+                c = B.compile_model(src, backend, run_dtype,
+                                    dynamic if backend != "eager" else False,
+                                    wrapper, cl, reset=False,
+                                    guard_filter_fn=(torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
+                                                     if args.guard_filter else None))
             xi = c.prepare_input(x)
             t0 = time.perf_counter()
             c.first_call(xi)
@@ -172,16 +255,40 @@ def run_config(name, dtype, shape, variants, args):
         if label == "eager":
             ref = out
             res["fp64"] = B.fp64_reference(model, x)
-        elif ref is not None:
-            if label in ("ov", "ovdyn") and isinstance(ref, torch.Tensor):
-                out = out.to(ref.dtype)  # OpenVINO returns fp32; eager's amp/bf16 output is bf16
-            if not B.values_match(ref, out, res.get("fp64"), dtype):
+            if int8:
+                res["int8"][label] = B.int8_check(out, out, fp32_out)[2]
+                if B.quantize_nodes(c.model) == 0 or res["int8"][label]["rms"] == 0:
+                    res["flags"].append(f"{label}:not_int8")
+                    res["reasons"].append(f"{label}: {name}, the timed module is not a quantized "
+                                          f"graph (its output is the fp32 model's)")
+        elif ref is not None and int8 and label != "cplcpp32":
+            # int8: against the quantized graph run eagerly (rel. RMS error vs fp32, top-1)
+            ok, why, nums = B.int8_check(out, ref, fp32_out, against="fp32" if label == "ov" else "eager_q")
+            res["int8"][label] = nums
+            if not ok:
                 res["flags"].append(f"{label}:values")
-                res["reasons"].append(f"{label}: {name}, AccuracyError: "
-                                      f"{B.describe_error(ref, out, res.get('fp64'), dtype)}")
-            if label not in ("eager_cl", "ov", "ovdyn") and not B.strides_match(ref, out):
+                res["reasons"].append(f"{label}: {name}, int8 AccuracyError: {why}")
+            if label == "ov" and c.int8_layers == 0:
+                res["flags"].append(f"{label}:not_int8")
+                res["reasons"].append(f"{label}: {name}, no convolution of OpenVINO's compiled model "
+                                      f"runs in int8")
+            elif label != "ov" and B.quantize_nodes(c.model) == 0:
+                res["flags"].append(f"{label}:not_int8")
+                res["reasons"].append(f"{label}: {name}, the timed module is not the quantized graph")
+            if label not in ("eager_cl", "ov") and not B.strides_match(ref, out):
                 res["flags"].append(f"{label}:strides")
                 res["reasons"].append(f"{label}: {name}, strides differ: {B.stride_report(ref, out)}")
+        elif ref is not None:
+            want = fp32_out if label == "cplcpp32" else ref
+            if label in ("ov", "ovdyn") and isinstance(want, torch.Tensor):
+                out = out.to(want.dtype)  # OpenVINO returns fp32; eager's amp/bf16 output is bf16
+            if not B.values_match(want, out, res.get("fp64"), run_dtype):
+                res["flags"].append(f"{label}:values")
+                res["reasons"].append(f"{label}: {name}, AccuracyError: "
+                                      f"{B.describe_error(want, out, res.get('fp64'), run_dtype)}")
+            if label not in ("eager_cl", "ov", "ovdyn") and not B.strides_match(want, out):
+                res["flags"].append(f"{label}:strides")
+                res["reasons"].append(f"{label}: {name}, strides differ: {B.stride_report(want, out)}")
         for w in c.fallback_warnings:
             res["flags"].append(f"{label}:fallback")
             res["reasons"].append(f"{label}: {name}, {w}")
@@ -197,7 +304,7 @@ def run_config(name, dtype, shape, variants, args):
     # eager and Inductor share those workers, so they run unpinned, as in a process of their own.
     from cpu_layout import threads
 
-    before = {k: threads.pin_workers if k in OURS else threads.unpin_workers for k in fns}
+    before = {k: threads.pin_workers if k in PINNED else threads.unpin_workers for k in fns}
     with stance:
         lat = B.interleaved_medians(fns, rounds=rounds, iters=per, warmup=args.warmup, before=before)
     for label, (c, _) in fns.items():
@@ -239,7 +346,8 @@ def print_table(results, variants):
     # speedup sections: (reference variant, variants compared with it)
     speed = [("eager", [v for v in variants if v != "eager"]),
              ("frz", [v for v in ("ind",) + OURS if v in variants]),
-             ("ov", [v for v in OURS if v in variants])]
+             ("ov", [v for v in OURS if v in variants]),
+             ("cplcpp32", [v for v in ("eager",) + OURS if v in variants])]
     speed = [(ref, cols) for ref, cols in speed if ref in variants and cols]
     comp_cols = [v for v in COMPILED if v in variants]
     sections = ([("latency ms", lat_cols)] + [(f"x {ref}", cols) for ref, cols in speed]
@@ -286,21 +394,45 @@ def print_table(results, variants):
         g += " |" + "".join(fmt_x(B.geomean(sp[(ref, v)])) for v in cols)
     g += " |" + "".join(fmt_s(B.geomean(ctime[v]) if ctime[v] else None) for v in comp_cols)
     print(g)
-    for ours, theirs, kind in PAIRS:
-        rs = [r["lat"][theirs] / r["lat"][ours] for r in results
-              if r["lat"].get(ours) and r["lat"].get(theirs)]
-        if rs:
-            print(f"{ours} vs {theirs} ({kind}): geomean {B.geomean(rs):.2f}x "
-                  f"(min {min(rs):.2f}, max {max(rs):.2f}, {len(rs)} configs; >1: {ours} faster)")
+    float_rows = [r for r in results if r["dtype"] != INT8]
+    int8_rows = [r for r in results if r["dtype"] == INT8]
+    for rows, pairs, prefix in ((float_rows, PAIRS, ""), (int8_rows, INT8_PAIRS, "int8: ")):
+        for ours, theirs, kind in pairs:
+            rs = [r["lat"][theirs] / r["lat"][ours] for r in rows
+                  if r["lat"].get(ours) and r["lat"].get(theirs)]
+            if rs:
+                print(f"{prefix}{ours} vs {theirs} ({kind}): geomean {B.geomean(rs):.2f}x "
+                      f"(min {min(rs):.2f}, max {max(rs):.2f}, {len(rs)} configs; >1: {ours} faster)")
     for k, lst in cratio.items():
         if lst:
             print(f"compile time cpl / {k}: geomean {B.geomean(lst):.3f} "
                   f"(min {min(lst):.3f}, max {max(lst):.3f}, {len(lst)} configs)")
     notes = [f"{r['model']} {r['dtype']} {r['shape']}: {m}" for r in results for m in r["reasons"]]
-    if "ov" in variants:
+    if "ov" in variants and float_rows:
         notes.insert(0, f"ov: values checked only (OpenVINO returns numpy arrays, no strides), "
                         f"cast to eager's dtype; fp32 input and weights, INFERENCE_PRECISION_HINT "
                         f"bf16 for amp/bfloat16, INFERENCE_NUM_THREADS {torch.get_num_threads()}")
+    if int8_rows:
+        notes.insert(0, "int8 rows: every variant but ov and cplcpp32 times the same PT2E graph "
+                        "(zoo.quantize_pt2e: export strict=True, X86InductorQuantizer, "
+                        f"{zoo.CALIBRATION_BATCHES} seeded random calibration batches); eager = that "
+                        "graph run as is; ov = OpenVINO INT8 (nncf.quantize of the fp32 model on the "
+                        "same batches, INFERENCE_PRECISION_HINT f32); cplcpp32 = our fp32 on the "
+                        "unquantized model. Values: rel. RMS error vs the fp32 model at most "
+                        f"{B.INT8_RMS_FACTOR}x eager's, top-1 agreement with eager >= {B.INT8_TOP1} "
+                        "(ov: with fp32, no lower than eager's)")
+        for r in int8_rows:
+            acc = r.get("int8") or {}
+            if not acc:
+                continue
+            rms = ", ".join(f"{k} {v['rms']:.4f}" for k, v in acc.items())
+            top = ", ".join(f"{k} {v['top1']:.2f}" for k, v in acc.items()
+                            if k not in ("eager", "ov") and v.get("top1") is not None)
+            top32 = ", ".join(f"{k} {v['top1_fp32']:.2f}" for k, v in acc.items()
+                              if v.get("top1_fp32") is not None)
+            notes.append(f"{r['model']} int8 {r['shape']}: rel. RMS error vs fp32: {rms}; top-1 "
+                         f"agreement with eager: {top or '-'}; with fp32: {top32 or '-'}; "
+                         f"{r.get('qnodes', 0)} q/dq nodes, quantized in {r.get('quantize_s', 0):.1f}s")
     if notes:
         print("\nnotes / failures (one line each):")
         for m in notes:
@@ -336,7 +468,8 @@ def main(argv=None):
                     help="batch size (default: 1 for torchvision/timm, the model's own for builtin)")
     ap.add_argument("--size", type=int, default=None,
                     help="torchvision/timm: input height = width [224]; 0: the model's usual size")
-    ap.add_argument("--dtypes", default="float32,amp", help="float32,amp[,bfloat16]")
+    ap.add_argument("--dtypes", default="float32,amp",
+                    help="float32,amp[,bfloat16][,int8] (int8: PT2E-quantized, static shapes)")
     ap.add_argument("--shapes", default="static,dynamic", help="static,dynamic")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--iters", type=int, default=40, help="timed calls per variant [40]")
@@ -378,8 +511,8 @@ def main(argv=None):
                 ap.error(f"unknown {args.suite} model {n!r}")
     dtypes = args.dtypes.split(",")
     for d in dtypes:
-        if d not in B.DTYPES:
-            ap.error(f"unknown dtype {d!r}; choose from {', '.join(B.DTYPES)}")
+        if d not in B.DTYPES + (INT8,):
+            ap.error(f"unknown dtype {d!r}; choose from {', '.join(B.DTYPES + (INT8,))}")
     shapes = args.shapes.split(",")
     for s in shapes:
         if s not in ("static", "dynamic"):
@@ -388,6 +521,8 @@ def main(argv=None):
     for v in variants:
         if v not in VARIANTS:
             ap.error(f"unknown backend variant {v!r}; choose from {', '.join(VARIANTS)}")
+    if INT8 not in dtypes:  # cplcpp32 is the fp32 column of int8 rows
+        variants = [v for v in variants if v != "cplcpp32"]
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -402,7 +537,11 @@ def main(argv=None):
           f"{'; no guards on torch.nn modules (--guard-filter)' if args.guard_filter else ''}")
     t_start = time.perf_counter()
     results = []
-    configs = [(n, d, s) for n in names for d in dtypes for s in shapes]
+    configs = [(n, d, s) for n in names for d in dtypes for s in shapes
+               if not (d == INT8 and s == "dynamic")]
+    if INT8 in dtypes and "dynamic" in shapes:
+        log("int8: static shapes only (the PT2E graph keeps export's guard on the batch size); "
+            "no int8 dynamic rows")
     for i, (n, d, s) in enumerate(configs, 1):
         t0 = time.perf_counter()
         results.append(run_config(n, d, s, variants, args))

@@ -24,8 +24,9 @@ fi
 # it), hypothesis for the property tests, matplotlib for the runner's --plot,
 # openvino for the benchmarks' OpenVINO column, torchao for PyTorch's INT8 flow
 # (PT2E: prepare_pt2e / convert_pt2e with X86InductorQuantizer; pinned, as it
-# follows torch releases).
-EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm openvino torchao==0.18.0)
+# follows torch releases), nncf for the benchmarks' OpenVINO INT8 column
+# (nncf.quantize; it does not depend on torch).
+EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm openvino torchao==0.18.0 nncf)
 STAMP="$VENV/.cpu_layout-build-stamp"
 HASH="$( (cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/*; echo "${EXTRAS[*]}") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \

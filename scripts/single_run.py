@@ -12,7 +12,15 @@ Positional arguments (same order, defaults and meanings as inductor_single_run.s
   3 SCENARIO  accuracy | performance             [accuracy]
   4 SUITE     builtin | torchvision | timm_models [builtin]
   5 MODEL     a model name, or all               [all]
-  6 DT        float32 | amp | bfloat16           [float32]
+  6 DT        float32 | amp | bfloat16 | int8    [float32]
+              int8: the fp32 model quantized with PyTorch's PT2E flow
+              (cpu_layout.zoo.quantize_pt2e: batch-norm statistics re-estimated, then
+              torch.export strict=True, torchao's X86InductorQuantizer, calibration on 8
+              seeded random batches of the run's input shape, convert_pt2e), then run as
+              for float32: eager is the quantized graph run as is, BACKEND compiles the
+              same graph. Accuracy: rel. RMS error against the fp32 model at most 1.1x
+              the eager quantized graph's and top-1 agreement with it (benchmark.int8_check),
+              not PyTorch's float tolerances. Static shapes only; needs torchao.
   7 CHANNELS  first | last                       [first]
   8 SHAPE     static | dynamic                   [static]    (dynamic: batch dim only)
   9 WRAPPER   default | cpp                      [default]
@@ -55,7 +63,7 @@ THREADS = ("multiple", "single", "all")
 MODES = ("inference", "training")
 SCENARIOS = ("accuracy", "performance")
 SUITES = ("builtin", "torchvision", "timm_models")
-DTS = ("float32", "amp", "bfloat16")
+DTS = ("float32", "amp", "bfloat16", "int8")
 CHANNELS = ("first", "last")
 SHAPES = ("static", "dynamic")
 WRAPPERS = ("default", "cpp")
@@ -237,6 +245,14 @@ def main(argv=None) -> int:
              "graphs only (run under torch.no_grad()); use MODE=inference")
         return EXIT_USAGE
     check_model_name(build_parser(), args)
+    if args.dt == "int8" and args.shape == "dynamic":
+        _err("single_run: DT=int8 with SHAPE=dynamic is not supported yet: the PT2E graph keeps "
+             "torch.export's guard on the batch size it was quantized at; use SHAPE=static")
+        return EXIT_USAGE
+    if args.dt == "int8" and importlib.util.find_spec("torchao") is None:
+        _err("single_run: DT=int8 quantizes with PyTorch's PT2E flow, which needs torchao: "
+             "pip install torchao==0.18.0")
+        return EXIT_USAGE
     pkg = SUITE_PACKAGE.get(args.suite)
     if pkg and importlib.util.find_spec(pkg) is None:
         _err(f"single_run: skip: SUITE={args.suite} needs the '{pkg}' package, which is not "
@@ -422,6 +438,11 @@ def worker_main(args) -> int:
     # single: batch size 1; multiple: BS > 0 overrides the model's batch size.
     bs = 1 if args.worker == "single" else args.bs
     dtype, dynamic = args.dt, args.shape == "dynamic"
+    int8 = dtype == "int8"
+    if int8:
+        from cpu_layout import zoo
+
+        dtype = "float32"  # the quantized graph takes and returns fp32 tensors
     cl = args.channels == "last"
     entries = load_suite_models(args.suite, args.model)
     accuracy = args.scenario == "accuracy"
@@ -438,9 +459,18 @@ def worker_main(args) -> int:
             _err(B.one_line(name, exc))
             model = x = None
         batch = int(x.shape[0]) if x is not None else bs
+        qmodel = None
+        if int8 and model is not None:
+            try:  # re-estimates model's batch-norm statistics in place, then PT2E
+                qmodel = zoo.quantize_pt2e(model, x, zoo.calibration_batches(x))
+            except Exception as exc:  # noqa: BLE001
+                _err(f"{B.one_line(name, exc)} (quantize_pt2e)")
+                model = x = None
         if accuracy:
             if model is None:
                 r = B.AccuracyResult("fail_to_run")
+            elif int8:
+                r = B.run_accuracy_int8(name, model, qmodel, x, args.backend, dynamic, args.wrapper, cl)
             else:
                 r = B.run_accuracy(name, model, x, args.backend, dtype, dynamic, args.wrapper, cl)
             row = [dev, name, batch, r.status, r.calls_captured, r.unique_graphs, r.graph_breaks]
@@ -452,7 +482,8 @@ def worker_main(args) -> int:
             if model is None:
                 r = B.PerfResult("fail_to_run")
             else:
-                r = B.run_performance(name, model, x, args.backend, dtype, dynamic, args.wrapper, cl,
+                r = B.run_performance(name, qmodel if int8 else model, x, args.backend, dtype,
+                                      dynamic, args.wrapper, cl,
                                       warmup=args.warmup, iters=args.iters,
                                       rounds=min(5, args.iters))
             if r.reason:

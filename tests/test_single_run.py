@@ -214,3 +214,20 @@ def test_instances_through_torchs_launcher():
 def test_more_instances_than_cores_is_refused():
     r = maml("accuracy", "default", "cpu_layout", "--ninstances", str(len(sr.socket0_cores()) + 1))
     assert r.returncode == 2 and "--ninstances" in r.stderr
+
+
+# ------------------------------------------------------------------ int8 (PT2E)
+def test_int8_with_dynamic_shapes_is_refused():
+    r = run("multiple", "inference", "accuracy", "builtin", "all", "int8", "first", "dynamic")
+    assert r.returncode == 2 and "not supported yet" in r.stderr and "int8" in r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+def test_int8_accuracy_end_to_end():
+    pytest.importorskip("torchao")
+    r = run("multiple", "inference", "accuracy", "builtin", "maml_omniglot", "int8", "first",
+            "static", "cpp", 2, "cpu_layout", *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1].split(",")
+    assert last[:4] == ["cpu", "maml_omniglot", "2", "pass"], r.stderr[-2000:]
+    assert int(last[4]) > 0 and last[5:] == ["1", "0"]
