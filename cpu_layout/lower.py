@@ -297,6 +297,9 @@ class Lowering(Patterns):
 
     def _call(self, n: FxNode):
         t = n.target
+        own = getattr(type(t), "lower_into", None)  # a call that lowers itself (quant/ops.py)
+        if own is not None:
+            return own(t, self, n)
         if t in (aten.view.default, aten._unsafe_view.default):
             r = self._channel_shuffle(n)
             if r is not None:

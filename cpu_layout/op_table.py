@@ -172,8 +172,16 @@ def _sizes_print(n: ir.Aten) -> bool:
     return _print(n.out.size)
 
 
+def _held_call(n: ir.Aten) -> bool:
+    """A single result of a dtype segments hold (float, or uint8 quantized activations) from
+    such tensors: what views, which only alias, take."""
+    held = (torch.float32, torch.bfloat16, torch.uint8)
+    return (not n.multi and n.out.is_tensor and n.out.dtype in held
+            and all(b.dtype in held for b in n.inputs if b.is_tensor))
+
+
 def _reshape_in_cpp(n):
-    return _float_call(n) and _sizes_print(n)
+    return _held_call(n) and _sizes_print(n)
 
 
 def _permute_in_cpp(n):

@@ -28,6 +28,7 @@ from cpu_layout import op_table as T
 from cpu_layout import runtime
 from cpu_layout.codegen import program as P
 from cpu_layout.codegen import sizes as S
+from cpu_layout.quant import cpp as quant_cpp
 
 # Its sizes and strides come from the symbolic shape (op_table.shape_exprs).
 AS_STRIDED = torch.ops.aten.as_strided.default
@@ -38,7 +39,9 @@ AS_STRIDED = torch.ops.aten.as_strided.default
 def runs_in_cpp(n: ir.Node) -> bool:
     """THE rule: a node runs inside a C++ segment when it is
     - a convolution on constant float weights (the extension's oneDNN path),
-    - a fused element-wise kernel, a reduction or a normalisation (generated code),
+    - a fused element-wise kernel (float or uint8 data), a reduction or a normalisation
+      (generated code),
+    - an int8 op on uint8 activations (quant/cpp.py),
     - an ATen call whose entry in op_table.OPS has a C++ form and admits it
       (libtorch's C shim or csrc/cl_wrapper.h; float tensors, static
       arguments, sizes that print as C++).
@@ -49,12 +52,14 @@ def runs_in_cpp(n: ir.Node) -> bool:
         return (n.bn is None and w.constant and P.weight_format(w) is not None
                 and all(T.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
                 and (n.bias is None or n.bias.constant))
-    if isinstance(n, ir.Kernel):
-        return all(T.float_tensor(b) for b in n.inputs) and n.out.rank <= 16
+    if isinstance(n, ir.Kernel):  # float data, and the uint8 a (de)quantizing kernel loads or stores
+        return all(T.float_tensor(b) or b.dtype is torch.uint8 for b in n.inputs + [n.out]) and n.out.rank <= 16
     if isinstance(n, ir.Reduction):
         return T.float_tensor(n.inputs[0])
     if isinstance(n, ir.Norm):
         return all(T.float_tensor(b) for b in n.inputs)
+    if quant_cpp.runs_in_cpp(n):  # int8 convs, pools and cats on uint8 activations
+        return True
     if isinstance(n, ir.Getitem):  # a piece of a split a segment runs
         src = n.inputs[0].producer
         return isinstance(src, ir.Aten) and src.target in T.SPLIT_OPS and runs_in_cpp(src)

@@ -28,8 +28,25 @@ static inline float ld(float x) { return x; }
 static inline float ld(bf16 h) {
   uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f;
 }
+// uint8/int8: quantized tensors that dequantize/quantize ops (quant/) read and write;
+// the value stored is already rounded and clamped by cl::quant.
+static inline float ld(uint8_t x) { return (float)x; }
+static inline float ld(int8_t x) { return (float)x; }
 template <class T> static inline T cvt(float v);
 template <> inline float cvt<float>(float v) { return v; }
+template <> inline uint8_t cvt<uint8_t>(float v) { return (uint8_t)(int)v; }
+template <> inline int8_t cvt<int8_t>(float v) { return (int8_t)(int)v; }
+// quantize_per_tensor's value: round half to even (adding and subtracting 1.5 * 2^23
+// rounds any |t| < 2^22, and vectorises where nearbyint may not), plus the zero point,
+// clamped to [lo, hi]; a NaN becomes lo (torch's cast of NaN to uint8 is undefined).
+static inline float quant(float x, float inv_scale, float zp, float lo, float hi) {
+  float t = x * inv_scale;
+  t = t > -4194304.f ? t : -4194304.f;
+  t = t < 4194304.f ? t : 4194304.f;
+  float v = ((t + 12582912.f) - 12582912.f) + zp;
+  v = v >= lo ? v : lo;
+  return v <= hi ? v : hi;
+}
 // Round to nearest even, NaN -> canonical quiet NaN (as c10::BFloat16).
 template <> inline bf16 cvt<bf16>(float v) {
   uint32_t u; std::memcpy(&u, &v, 4);

@@ -27,6 +27,7 @@ int32_t aoti_torch_device_type_cpu();
 int32_t aoti_torch_dtype_float32();
 int32_t aoti_torch_dtype_bfloat16();
 int32_t aoti_torch_dtype_int64();
+int32_t aoti_torch_dtype_uint8();
 AOTITorchError aoti_torch_delete_tensor_object(AtenTensorHandle);
 AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle, void**);
 AOTITorchError aoti_torch_get_dim(AtenTensorHandle, int64_t*);
@@ -72,6 +73,12 @@ static copy_fn copy_strided = nullptr;  // the extension's oneDNN reorder (cl_co
 typedef int (*shuffle_fn)(uintptr_t, uintptr_t, int, const int64_t*, const int64_t*, const int64_t*, int64_t,
                           int64_t, int64_t, int);
 static shuffle_fn channel_shuffle_kernel = nullptr;  // the extension's cl_channel_shuffle
+typedef int (*qconv_fn)(const cl_qconv_args*, uintptr_t, float, uintptr_t, unsigned long long, long long,
+                        uintptr_t, uintptr_t, uintptr_t, float, uintptr_t);
+static qconv_fn qconv_forward = nullptr;  // the extension's cl_qconv_forward (int8 convs)
+typedef int (*qmax_pool_fn)(int, int, int, const long long*, const long long*, const long long*, const long long*,
+                            const long long*, const long long*, const long long*, uintptr_t, uintptr_t);
+static qmax_pool_fn qmax_pool = nullptr;  // the extension's cl_qmax_pool
 
 [[noreturn]] static void fail(const std::string& what) { throw std::runtime_error(what); }
 
@@ -114,9 +121,11 @@ static inline int64_t numel(const H& t) {
   return n;
 }
 
-// Segments carry float32 (4) and bfloat16 (2) data, and int64 (8) index tensors.
+// Segments carry float32 (4) and bfloat16 (2) data, uint8 (1) quantized activations
+// (int8 convs: quant/cpp.py), and int64 (8) index tensors: the element size names the dtype.
 static inline int32_t dtype_code(int es) {
-  return es == 2 ? aoti_torch_dtype_bfloat16() : es == 8 ? aoti_torch_dtype_int64() : aoti_torch_dtype_float32();
+  return es == 2 ? aoti_torch_dtype_bfloat16() : es == 8 ? aoti_torch_dtype_int64()
+       : es == 1 ? aoti_torch_dtype_uint8() : aoti_torch_dtype_float32();
 }
 
 // Dense strides for a stride order `perm` (outermost dim first; layout.strides_for_order).
@@ -185,7 +194,8 @@ static inline int elsize(const H& t) {
   if (d == aoti_torch_dtype_float32()) return 4;
   if (d == aoti_torch_dtype_bfloat16()) return 2;
   if (d == aoti_torch_dtype_int64()) return 8;
-  fail("segment tensor is not float32, bfloat16 or int64");
+  if (d == aoti_torch_dtype_uint8()) return 1;
+  fail("segment tensor is not float32, bfloat16, uint8 or int64");
 }
 
 static inline int64_t storage_offset(const H& t) {
@@ -780,8 +790,11 @@ static int report(const std::exception& e, char* err, int errlen) {
 
 extern "C" long long cl_layout_copies(void) { return clw::layout_copies.load(std::memory_order_relaxed); }
 
-extern "C" void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle) {
+extern "C" void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle,
+                                uintptr_t qconv, uintptr_t qmax_pool) {
   clw::conv_forward = (clw::conv_fn)conv;
+  clw::qconv_forward = (clw::qconv_fn)qconv;
+  clw::qmax_pool = (clw::qmax_pool_fn)qmax_pool;
   clw::conv_error = (clw::error_fn)error;
   clw::copy_strided = (clw::copy_fn)copy;
   clw::channel_shuffle_kernel = (clw::shuffle_fn)shuffle;

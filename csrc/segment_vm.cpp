@@ -28,7 +28,7 @@ enum Op : int64_t {
   EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
   REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
   MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
-  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, OUT_EAGER, N_OPS
+  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, OUT_EAGER, QCONV, QMAX_POOL, N_OPS
 };
 
 // Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
@@ -111,6 +111,8 @@ class Run {
   }
   int64_t expr();
   void conv();
+  void qconv();
+  void qmax_pool();
   void kernel();
   void reduction();
   int affine_params(int64_t w, int64_t w_msg, int64_t b, int64_t b_msg, int64_t numel, void** data);
@@ -226,6 +228,133 @@ void Run::conv() {
                                    clw::addr(tmp_out), nres ? res_addr : nullptr))
     fail(name + ": " + clw::conv_error());
   set(out, std::move(tmp_out));
+}
+
+// QCONV out x w_const scales_const b_const(-1) nsp dst_es oc groups ic k[nsp] s[nsp] p[nsp] d[nsp]
+//       x_scale_real x_zp out_scale_real out_zp npost (kind alpha_real beta_real)*npost
+//       sum_scale_real sum_zp res(-1) inplace(-1) fresh linear name
+// An int8 conv (quant/cpp.py): uint8 x channels-last, s8 weight and f32 scales and bias from the
+// constants, a uint8 (dst_es 1) or float32 (4) result channels-last. linear: x is [M, K] row-major,
+// run as the 1x1 conv over [1, K, 1, M] that is its memory read channels-last; the result [M, N].
+void Run::qconv() {
+  const int64_t out = A(), x = A(), wi = A(), si = A(), bi = A(), nsp = A(), des = A();
+  const int64_t oc = A(), groups = A(), ic = A();
+  const int64_t *k = P(nsp), *s = P(nsp), *pd = P(nsp), *dl = P(nsp);
+  const double x_scale = p_.reals[(size_t)A()];
+  const int64_t x_zp = A();
+  const double out_scale = p_.reals[(size_t)A()];
+  const int64_t out_zp = A(), npost = A();
+  const int64_t* post = P(3 * npost);
+  const double sum_scale = p_.reals[(size_t)A()];
+  const int64_t sum_zp = A(), res = A(), inplace = A(), fresh = A(), linear = A();
+  const std::string& name = S(A());
+  if (nsp < 1 || nsp > CL_MAX_SPATIAL || npost > CL_MAX_POST_OPS || (des != 1 && des != 4) || (linear && nsp != 2))
+    fail(name + ": int8 conv instruction out of range");
+  const H& xin = R(x);
+  if (clw::elsize(xin) != 1) fail(name + ": the int8 conv's input is not uint8");
+  if (clw::dim(xin) != (linear ? 2 : nsp + 2)) fail(name + ": the int8 conv's input has the wrong rank");
+  H xc;
+  const H* xs = &xin;
+  // A linear's [M, K] row-major is the channels-last [1, K, 1, M] its conv reads.
+  if (!clw::dense_in(xin, !linear)) { xc = clw::copy_in_order(xin, !linear); xs = &xc; }
+  const int64_t* sz0 = clw::sizes(*xs);
+  const int64_t lin_sz[4] = {1, linear ? sz0[1] : 0, 1, linear ? sz0[0] : 0};
+  const int64_t* xsz = linear ? lin_sz : sz0;
+  cl_qconv_args a;
+  std::memset(&a, 0, sizeof a);
+  a.nsp = (int)nsp;
+  a.src_dt = CL_U8;
+  a.dst_dt = des == 1 ? CL_U8 : CL_F32;
+  a.has_bias = bi >= 0;
+  a.src_cl = a.dst_cl = 1;
+  a.src_zp = (int)x_zp;
+  a.dst_zp = (int)out_zp;
+  a.n = xsz[0];
+  a.ic = xsz[1];
+  a.oc = oc;
+  a.groups = groups;
+  if (a.ic != ic)
+    fail(name + ": input has " + std::to_string(a.ic) + " channels, the weight expects " + std::to_string(ic));
+  int64_t osz[5] = {a.n, a.oc, 0, 0, 0};
+  for (int64_t i = 0; i < nsp; ++i) {
+    a.in_sp[i] = xsz[2 + i];
+    a.k_sp[i] = k[i];
+    a.stride[i] = s[i];
+    a.pad_l[i] = a.pad_r[i] = pd[i];
+    a.dilation[i] = dl[i];
+    const int64_t span = dl[i] * (k[i] - 1) + 1;
+    if (xsz[2 + i] + 2 * pd[i] < span) fail(name + ": kernel larger than the padded input");
+    osz[2 + i] = a.out_sp[i] = (xsz[2 + i] + 2 * pd[i] - span) / s[i] + 1;
+  }
+  a.n_post_ops = (int)npost;
+  for (int64_t i = 0; i < npost; ++i) {
+    a.post_ops[i].kind = (int)post[3 * i];
+    a.post_ops[i].alpha = (float)p_.reals[(size_t)post[3 * i + 1]];
+    a.post_ops[i].beta = (float)p_.reals[(size_t)post[3 * i + 2]];
+  }
+  a.sum_scale = (float)sum_scale;
+  a.sum_zp = (int)sum_zp;
+  int nd = (int)nsp + 2;
+  if (linear) {  // the result [M, N] row-major: the conv's [1, N, 1, M] channels-last
+    osz[0] = xsz[3];
+    osz[1] = oc;
+    nd = 2;
+  }
+  H tmp_out;
+  // The output takes over a dying residual's storage: oneDNN's sum post-op adds in place.
+  if (inplace >= 0 && !linear) tmp_out = clw::take_over(reg(inplace).h, nd, osz, true);
+  const bool in_place = static_cast<bool>(tmp_out);
+  if (!in_place) tmp_out = alloc(fresh, nd, osz, !linear, (int)des);
+  H res_c;
+  uintptr_t res_addr = 0;
+  if (res >= 0) {
+    const H& r = in_place ? tmp_out : clw::ordered(R(res), !linear, res_c);
+    if (clw::dim(r) != nd || !std::equal(osz, osz + nd, clw::sizes(r)) || clw::elsize(r) != des)
+      fail(name + ": the residual does not have the output's size and dtype");
+    res_addr = clw::addr(r);
+  }
+  const uintptr_t bias = bi >= 0 ? (uintptr_t)consts_[3 * bi] : 0;
+  if (a.n > 0 && clw::qconv_forward(&a, clw::addr(*xs), (float)x_scale, (uintptr_t)consts_[3 * wi],
+                                    (unsigned long long)consts_[3 * wi + 1], consts_[3 * wi + 2],
+                                    (uintptr_t)consts_[3 * si], bias, clw::addr(tmp_out), (float)out_scale,
+                                    res_addr))
+    fail(name + ": " + clw::conv_error());
+  set(out, std::move(tmp_out));
+}
+
+// QMAX_POOL out x nsp k[nsp] s[nsp] p[nsp] d[nsp] ceil fresh name: max pooling of a uint8
+// tensor on oneDNN (the max of quantized values is the quantized max), channels-last.
+void Run::qmax_pool() {
+  const int64_t out = A(), x = A(), nsp = A();
+  const int64_t *k = P(nsp), *s = P(nsp), *pd = P(nsp), *dl = P(nsp);
+  const int64_t ceil = A(), fresh = A();
+  const std::string& name = S(A());
+  if (nsp < 1 || nsp > CL_MAX_SPATIAL) fail(name + ": int8 max pool instruction out of range");
+  const H& xin = R(x);
+  if (clw::elsize(xin) != 1) fail(name + ": the int8 max pool's input is not uint8");
+  H xc;
+  const H* xs = &xin;
+  if (!clw::dense_in(xin, true)) { xc = clw::copy_in_order(xin, true); xs = &xc; }
+  const int64_t* xsz = clw::sizes(*xs);
+  const int nd = (int)nsp + 2;
+  long long sd[5], dd[5], kk[3], ss[3], pl[3], pr[3], dd_[3];
+  for (int i = 0; i < nd; ++i) sd[i] = dd[i] = xsz[i];
+  for (int64_t i = 0; i < nsp; ++i) {  // torch's output size (pooling_shape_check's formula)
+    const int64_t in = xsz[2 + i], span = in + 2 * pd[i] - dl[i] * (k[i] - 1) - 1;
+    if (span < 0) fail(name + ": pooling window larger than the padded input");
+    int64_t o = (span + (ceil ? s[i] - 1 : 0)) / s[i] + 1;
+    if (ceil && (o - 1) * s[i] >= in + pd[i]) --o;
+    dd[2 + i] = o;
+    kk[i] = k[i]; ss[i] = s[i]; pl[i] = pd[i]; dd_[i] = dl[i];
+    pr[i] = std::max<long long>(0, (o - 1) * s[i] + dl[i] * (k[i] - 1) + 1 - in - pd[i]);
+  }
+  int64_t osz[5];
+  for (int i = 0; i < nd; ++i) osz[i] = dd[i];
+  H o = alloc(fresh, nd, osz, true, 1);
+  if (clw::numel(o) > 0 &&
+      clw::qmax_pool((int)nsp, CL_U8, 1, sd, dd, kk, ss, pl, pr, dd_, clw::addr(*xs), clw::addr(o)))
+    fail(name + ": " + clw::conv_error());
+  set(out, std::move(o));
 }
 
 // KERNEL out kernel nd ni in[ni] cl es fresh inplace(-1)
@@ -614,6 +743,8 @@ void Run::run(uintptr_t* out) {
         out[j] = (uintptr_t)h.release();
         break;
       }
+      case QCONV: qconv(); break;
+      case QMAX_POOL: qmax_pool(); break;
       case ATEN_CONV: {  // out x w b pad[2] stride[2] dil[2] groups attr n scalar_reals[n] alg msg
         const int64_t o = A(), x = A(), w = A(), b = A();
         const int64_t *pad = P(2), *st = P(2), *dl = P(2);

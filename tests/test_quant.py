@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from cpu_layout.quant import ops as qops
-from cpu_layout.quant.ops import QConv, QMaxPool, channels_last
+from cpu_layout.quant.ops import QConv, QLinear, QMaxPool, SymmetricWeight, channels_last
 
 U8, S8 = torch.uint8, torch.int8
 
@@ -52,7 +52,7 @@ def test_qconv_matches_the_dequantized_conv(case):
     q = QConv((s, s), (p, p), (1, 1), g, 0.02, xzp, U8, od, 0.05, 3 if od in (U8, S8) else 0, post, 0.04, 7)
     oh, ow = (15 + 2 * p - k) // s + 1, (13 + 2 * p - k) // s + 1
     r = _rand_q((2, oc, oh, ow), od) if "add" in post else None
-    y = q(x, w, ws, wz, b, r)
+    y = q(x, w, ws, b, r)
     ref = q.reference(x, w, ws, wz, b, r)
     assert y.stride() == channels_last(torch.empty(y.shape)).stride()
     if od in (U8, S8):
@@ -62,40 +62,82 @@ def test_qconv_matches_the_dequantized_conv(case):
     assert "ref" not in q.impl_name(x, w)
 
 
+@pytest.mark.parametrize("out", [torch.float32, U8], ids=["dequantized", "requantized"])
+def test_qlinear_matches_the_dequantized_linear(out):
+    x = _rand_q((37, 48), U8, cl=False)
+    w = torch.randint(-128, 128, (20, 48), dtype=S8)
+    ws, b = torch.rand(20) * 0.01 + 1e-3, torch.randn(20)
+    q = QLinear(0.02, 9, U8, out, 0.05, 4, ("gelu",))
+    y = q(x, w, ws, b)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear((x.float() - 9) * 0.02, w.float() * ws[:, None], b))
+    assert y.shape == (37, 20) and y.is_contiguous()
+    if out is U8:
+        _assert_int8_close(y, qops.quantize(ref, 0.05, 4, U8))
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [U8, S8])
+@pytest.mark.parametrize("cl", [True, False], ids=["nhwc", "nchw"])
+def test_generated_quantize_and_dequantize_match_the_decomposed_ops(dtype, cl):
+    """The element-wise ops "quant" and "dequant" in a generated kernel (what a graph's
+    quantize and dequantize nodes become), against torch's own quantized_decomposed ops."""
+    from torch.ao.quantization.fx import _decomposed  # noqa: F401  (registers quantized_decomposed)
+
+    from cpu_layout.codegen import expr as E
+    from cpu_layout.codegen.cpp_kernels import PointwiseKernel
+
+    qd = torch.ops.quantized_decomposed
+    lo, hi = (0, 255) if dtype is U8 else (-128, 127)
+    scale, zp = 0.037, 3 if dtype is U8 else -2
+    x = torch.randn(2, 8, 5, 7) * 3
+    x.view(-1)[:200] = (torch.arange(200, dtype=torch.float32) - 100 + 0.5) * scale  # ties: half to even
+    x.view(-1)[200:204] = torch.tensor([1e30, -1e30, 1e9, -1e9])
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    quant = PointwiseKernel([torch.float32], [(E.Op("quant", (E.Load(0),), (scale, zp, lo, hi)), dtype)], 4).compile()
+    q = torch.empty_like(x, dtype=dtype)
+    quant(tuple(x.shape), [x], [q])
+    assert torch.equal(q, qd.quantize_per_tensor(x, scale, zp, lo, hi, dtype))
+    # dequantize -> relu -> quantize again: one kernel, int8 in and out
+    chain = E.Op("quant", (E.Op("relu", (E.Op("dequant", (E.Load(0),), (scale, zp)),)),), (0.05, 1, lo, hi))
+    requant = PointwiseKernel([dtype], [(chain, dtype), (E.Op("dequant", (E.Load(0),), (scale, zp)), torch.float32)],
+                              4).compile()
+    r, y = torch.empty_like(q), torch.empty_like(q, dtype=torch.float32)
+    requant(tuple(q.shape), [q], [r, y])
+    deq = qd.dequantize_per_tensor(q, scale, zp, lo, hi, dtype)
+    assert torch.equal(y, deq)
+    assert torch.equal(r, qd.quantize_per_tensor(torch.relu(deq), 0.05, 1, lo, hi, dtype))
+
+
 def test_qconv_repacks_a_weight_changed_in_place():
     x = _rand_q((1, 16, 8, 8), U8)
     w = torch.randint(-128, 128, (32, 16, 3, 3), dtype=S8)
     ws, wz = torch.full((32,), 0.01), torch.zeros(32, dtype=torch.int64)
     q = QConv((1, 1), (1, 1), (1, 1), 1, 0.02, 0, U8, torch.float32)
-    before = q(x, w, ws, wz)
+    before = q(x, w, ws)
     w.copy_(torch.randint(-128, 128, w.shape, dtype=S8))
-    after = q(x, w, ws, wz)
+    after = q(x, w, ws)
     torch.testing.assert_close(after, q.reference(x, w, ws, wz, None), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(before, after)
 
 
-def test_qconv_with_asymmetric_weights_warns_and_runs_the_reference(monkeypatch):
-    from cpu_layout.quant import ops
-
-    monkeypatch.setattr(ops, "_warned", [])
-    x = _rand_q((1, 8, 6, 6), U8)
+def test_asymmetric_int8_weights_are_refused_with_the_reason():
     w = torch.randint(-128, 128, (8, 8, 1, 1), dtype=S8)
-    ws, wz = torch.full((8,), 0.01), torch.arange(8)
-    q = QConv((1, 1), (0, 0), (1, 1), 1, 0.02, 0, U8, U8, 0.05, 0, ("relu",))
-    with pytest.warns(RuntimeWarning, match="non-zero zero points"):
-        y = q(x, w, ws, wz)
-    assert torch.equal(y, q.reference(x, w, ws, wz, None))
+    with pytest.raises(ValueError, match="zero points are not all 0"):
+        SymmetricWeight("conv_3")(w, torch.arange(8))
+    assert SymmetricWeight("conv_3")(w, torch.zeros(8, dtype=torch.int64)) is w
 
 
 def test_qconv_rejects_bad_input_with_a_reason():
     q = QConv((1, 1), (0, 0), (1, 1), 1, 0.02, 0, U8, U8, 0.05, 0)
-    w, ws, wz = torch.zeros(8, 4, 1, 1, dtype=S8), torch.ones(8), torch.zeros(8, dtype=torch.int64)
+    w, ws = torch.zeros(8, 4, 1, 1, dtype=S8), torch.ones(8)
     with pytest.raises(TypeError, match="uint8"):
-        q(torch.zeros(1, 4, 3, 3), w, ws, wz)
+        q(torch.zeros(1, 4, 3, 3), w, ws)
     with pytest.raises(ValueError, match="channels"):
-        q(torch.zeros(1, 5, 3, 3, dtype=U8), w, ws, wz)
+        q(torch.zeros(1, 5, 3, 3, dtype=U8), w, ws)
     with pytest.raises(RuntimeError, match="scales must be positive"):
-        QConv((1, 1), (0, 0), (1, 1), 1, -1.0, 0, U8, U8, 0.05, 0)(torch.zeros(1, 4, 3, 3, dtype=U8), w, ws, wz)
+        QConv((1, 1), (0, 0), (1, 1), 1, -1.0, 0, U8, U8, 0.05, 0)(torch.zeros(1, 4, 3, 3, dtype=U8), w, ws)
 
 
 @pytest.mark.parametrize("cl", [True, False], ids=["nhwc", "nchw"])
@@ -181,32 +223,62 @@ def test_a_pt2e_model_runs_its_convs_in_int8(quantized_net, cpp, mode, strict_co
     # As accurate as the quantized graph run eagerly (against the float model), and close to it.
     assert _rel_rms(y, fp32) <= 1.1 * _rel_rms(eager_q, fp32) + 1e-3
     assert _rel_rms(y, eager_q) <= 0.05
-    # Every conv of the model ran as an int8 conv, and the max pool on int8.
+    # Every conv and the linear ran in int8, the max pool and the cat on int8 tensors;
+    # in the C++ wrapper all of them inside segments, none as a Python node between them.
     graph = compiled_graphs[-1].cpu_layout_graph
-    calls = [type(n.target).__name__ for n in graph.nodes if isinstance(n, ir.Aten)]
-    assert calls.count("QConv") == 8, calls
-    assert calls.count("QMaxPool") == 1 and calls.count("QCat") == 1
-    assert not [n for n in graph.nodes if isinstance(n, ir.Conv) and n.x.dtype is torch.float32
-                and len(n.weight.size) == 4 and n.weight.size[2] > 1]
+    top = [n for n in graph.nodes if isinstance(n, ir.Aten)]
+    members = [m for n in graph.nodes if isinstance(n, ir.Segment) for m in n.members]
+    kinds = [type(n.target).__name__ for n in top + [m for m in members if isinstance(m, ir.Aten)]]
+    assert kinds.count("QConv") == 8, kinds
+    assert kinds.count("QMaxPool") == 1 and kinds.count("QCat") == 1 and kinds.count("QLinear") == 1
+    if cpp:
+        assert not [n for n in top if type(n.target).__name__ in ("QConv", "QMaxPool", "QCat")]
+    # The pre-activation batch norm and ReLU between two int8 convs: dequantize, the float ops
+    # and quantize in one kernel that writes uint8.
+    kernels = [str(k.expr) for k in graph.nodes + members if isinstance(k, ir.Kernel) and k.out.dtype is torch.uint8]
+    assert [e for e in kernels if e.startswith("quant(relu(") and "dequant(" in e], kernels
+    assert not [n for n in graph.nodes + members if isinstance(n, ir.Conv) and len(n.weight.size) == 4
+                and n.weight.size[2] > 1]
 
 
-def test_a_weight_changed_in_place_reaches_the_compiled_int8_model(quantized_net, strict_compile):
+def _int8_state(qm, dtype, dim):
+    return [t for t in qm.state_dict(keep_vars=True).values() if t.dtype is dtype and t.dim() == dim]
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+def test_a_weight_changed_in_place_reaches_the_compiled_int8_model(quantized_net, cpp, strict_compile):
     _model, qm = quantized_net
     x = torch.randn(2, 3, 32, 32)
-    int8_weights = [t for t in qm.state_dict(keep_vars=True).values() if t.dtype is torch.int8 and t.dim() == 4]
-    assert int8_weights
-    w = int8_weights[1]
+    w = _int8_state(qm, torch.int8, 4)[1]
     saved = w.detach().clone()
     try:
         with torch.no_grad():
-            compiled = torch.compile(qm, backend="cpu_layout")
-            compiled(x)
+            compiled = torch.compile(qm, backend="cpu_layout", options={"cpp_wrapper": cpp})
+            before = compiled(x)
             w.copy_(torch.randint(-128, 128, w.shape, dtype=torch.int8))
             y, ref = compiled(x), qm(x)
-        assert _rel_rms(y, ref) <= 0.05
+        assert _rel_rms(y, ref) <= 0.05 and _rel_rms(before, ref) > 0.1
     finally:
         with torch.no_grad():
             w.copy_(saved)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["py", "cpp"])
+def test_asymmetric_weights_in_a_compiled_graph_raise_the_reason(quantized_net, cpp, strict_compile):
+    _model, qm = quantized_net
+    x = torch.randn(2, 3, 32, 32)
+    zps = [t for t in _int8_state(qm, torch.int64, 1) if t.numel() > 1]
+    assert zps
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(qm, backend="cpu_layout", options={"cpp_wrapper": cpp})
+            compiled(x)
+            zps[0].fill_(3)
+            with pytest.raises(ValueError, match="zero points are not all 0"):
+                compiled(x)
+    finally:
+        with torch.no_grad():
+            zps[0].zero_()
 
 
 def test_unfused_quantization_is_named_under_the_plan_log(quantized_net, monkeypatch, capfd, strict_compile):
@@ -216,5 +288,5 @@ def test_unfused_quantization_is_named_under_the_plan_log(quantized_net, monkeyp
         warnings.simplefilter("error", RuntimeWarning)  # no fallback of the whole graph
         torch.compile(qm, backend="cpu_layout")(torch.randn(2, 3, 32, 32))
     err = capfd.readouterr().err
-    assert "cpu_layout: int8: 10 patterns rewritten" in err
-    assert "quantize/dequantize nodes left as ATen ops" in err
+    assert "cpu_layout: int8: 11 patterns rewritten" in err
+    assert "quantize/dequantize nodes as element-wise ops, 0 left as ATen ops" in err

@@ -33,8 +33,8 @@ from cpu_layout.layout import channels_innermost
 from cpu_layout.codegen.expr import OPS, Const, Load, Op, float_literal, loads
 
 _MAX_NDIM = 16
-_CTYPE = {torch.float32: "float", torch.bfloat16: "cl::bf16"}
-_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_CTYPE = {torch.float32: "float", torch.bfloat16: "cl::bf16", torch.uint8: "uint8_t", torch.int8: "int8_t"}
+_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "s8"}
 _REDUCTIONS = ("sum", "mean", "amax", "amin")
 
 
@@ -137,9 +137,11 @@ def _check_expr(e, what):
         raise ValueError(f"{what} is not an expression (Load, Const or Op): {e!r}")
 
 
-def _check_dtype(dt, what):
-    if dt not in _CTYPE:
-        raise ValueError(f"{what}: dtype must be torch.float32 or torch.bfloat16, got {dt}")
+def _check_dtype(dt, what, quantized: bool = False):
+    """float32/bfloat16; pointwise kernels also load and store uint8/int8 (quantize ops)."""
+    ok = (torch.float32, torch.bfloat16) + ((torch.uint8, torch.int8) if quantized else ())
+    if dt not in ok:
+        raise ValueError(f"{what}: dtype must be one of {', '.join(map(str, ok))}, got {dt}")
     return dt
 
 
@@ -314,7 +316,7 @@ class _Kernel:
 
 
 def _es_array(dtypes):
-    return ", ".join("4" if d == torch.float32 else "2" for d in dtypes)
+    return ", ".join(str(d.itemsize) for d in dtypes)
 
 
 class PointwiseKernel(_Kernel):
@@ -328,8 +330,8 @@ class PointwiseKernel(_Kernel):
     _runner = CompiledPointwise
 
     def __init__(self, inputs, outputs, ndim: int):
-        self.inputs = tuple(_check_dtype(d, f"input {i}") for i, d in enumerate(inputs))
-        self.outputs = tuple((e, _check_dtype(d, f"output {i}")) for i, (e, d) in enumerate(outputs))
+        self.inputs = tuple(_check_dtype(d, f"input {i}", True) for i, d in enumerate(inputs))
+        self.outputs = tuple((e, _check_dtype(d, f"output {i}", True)) for i, (e, d) in enumerate(outputs))
         self.out_dtypes = tuple(d for _, d in self.outputs)
         if not self.outputs:
             raise ValueError("a pointwise kernel needs at least one output")

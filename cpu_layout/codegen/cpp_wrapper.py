@@ -38,6 +38,7 @@ from cpu_layout import op_table as T
 from cpu_layout import ops, runtime, segments
 from cpu_layout.codegen import program as P
 from cpu_layout.codegen import specs, wrapper
+from cpu_layout.quant import cpp as quant_cpp
 from cpu_layout.reads import conversions, dense_as_planned, read_conversion
 
 aten = torch.ops.aten
@@ -60,8 +61,12 @@ def _encode_segment(seg: ir.Segment, kernels, last_use: Dict[ir.Buffer, ir.Node]
         want = [int(x) if type(x) is int else -1 for x in b.size]
         prog.op("EXPECT", em.reg[b], P.HELD_ES[b.dtype], b.rank, want, prog.name(f"input {b.name}"))
     # Module constants that kernels or ATen ops read need a tensor view of their memory.
-    needs_handle = {b for m in seg.members if not isinstance(m, ir.Conv) for b in m.inputs if b in consts}
+    needs_handle = {b for m in seg.members if not isinstance(m, ir.Conv) and not quant_cpp.runs_in_cpp(m)
+                    for b in m.inputs if b in consts}
     for m in seg.members:
+        if quant_cpp.runs_in_cpp(m):  # int8 ops read constants (weight, scales, bias) from the pack
+            x, _w, _s, _b, res = quant_cpp.conv_args(m)
+            needs_handle.update(b for b in (x, res) if isinstance(b, ir.Buffer) and b in consts)
         if isinstance(m, ir.Conv):
             # Its activation and residuals are tensors; only its weight and bias are
             # read from the pack (a conv over module state: a buffer it filters).
@@ -137,6 +142,8 @@ def _encode_node(em: P.SegmentEncoder, m: ir.Node, slots) -> None:
         em.softmax(m)
     elif isinstance(m, ir.Getitem):
         em.split_piece(m, *T.split_piece(m.inputs[0].producer, m.index))
+    elif quant_cpp.runs_in_cpp(m):
+        quant_cpp.encode(em, m)
     else:
         T.encode(em, m, slots.__getitem__)
 
@@ -175,6 +182,7 @@ def build(g: ir.Graph, bind, debug: bool = False):
         pack_entries = []
         for seg in part.segments:
             weights = {m.weight for m in seg.members if isinstance(m, ir.Conv)}
+            weights |= {b for m in seg.members for b in m.inputs if quant_cpp.is_weight(m, b)}
             pack_entries.append([(part.exports.index(b), b in weights, tuple(b.size), b.planned_strides())
                                  for b in seg.consts])
         runners[pro_node] = runtime.ConstantPrologue(fn, pack_entries, ops.ffi)

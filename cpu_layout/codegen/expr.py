@@ -62,6 +62,15 @@ def _named(name):
     return lambda p: name
 
 
+def _dequant_cpp(a, p):  # dequantize_per_tensor: ((float)q - zp) * scale, in float32
+    return f"(({a[0]}) - {float_literal(p[1])}) * {float_literal(p[0])}"
+
+
+def _quant_cpp(a, p):  # quantize_per_tensor: clamp(round(x * (float)(1 / scale)) + zp, lo, hi)
+    return (f"cl::quant({a[0]}, {float_literal(1.0 / p[0])}, {float_literal(p[1])}, "
+            f"{float_literal(p[2])}, {float_literal(p[3])})")
+
+
 _aten = torch.ops.aten
 OPS = {
     "add": ElementOp(2, "{0} + {1}", aten=(_aten.add.Tensor, _aten.add.Scalar)),
@@ -103,6 +112,11 @@ OPS = {
                        post_op=lambda p: ("clamp", None if p[0] is None else float(p[0]),
                                           None if p[1] is None else float(p[1]))),
     "where": ElementOp(3, "({0} != 0.f) ? {1} : {2}"),  # where(cond != 0, a, b)
+    # (De)quantization of PT2E graphs (quant/ops.py: Dequantize, Quantize): the kernel loads
+    # and stores uint8/int8 buffers as it does bf16 ones, so a dequantize -> float ops ->
+    # quantize chain is one kernel.
+    "dequant": ElementOp(1, _dequant_cpp, ("scale", "zp")),
+    "quant": ElementOp(1, _quant_cpp, ("scale", "zp", "lo", "hi")),
     # addcmul(x, a, b, value): x + value * a * b, in ATen's order of operations.
     "addcmul": ElementOp(3, lambda a, p: f"{a[0]} + {float_literal(p[0])} * {a[1]} * {a[2]}", ("value",)),
 }

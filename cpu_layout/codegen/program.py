@@ -28,12 +28,15 @@ aten = torch.ops.aten
 OPS = ("EXPECT BLOB SYM_DIM SYM_SCALAR ORDERED ORDERED_PERM GIVE RESET CONV KERNEL REDUCTION LAYER_NORM "
        "RESHAPE PERMUTE UNSQUEEZE REORDER REORDER_PERM POOL_KERNEL MAX_POOL AVG_POOL CAT CAT_SHIM "
        "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV GROUP_NORM "
-       "SOFTMAX OUT_EAGER").split()
+       "SOFTMAX OUT_EAGER QCONV QMAX_POOL").split()
 OP = {name: i + 1 for i, name in enumerate(OPS)}
 
 ES = {torch.float32: 4, torch.bfloat16: 2}
-# Element sizes of what a segment may hold: float data, and integer index tensors (read by ATen only).
-HELD_ES = {**ES, torch.int64: 8}
+# Element sizes of what a segment may hold: float data, uint8 quantized activations (the int8
+# ops', quant/cpp.py), and integer index tensors (read by ATen only).
+HELD_ES = {**ES, torch.uint8: 1, torch.int64: 8}
+# What a segment's pool serves: float data and uint8 activations.
+POOLED = (torch.float32, torch.bfloat16, torch.uint8)
 INT64_MAX = (1 << 63) - 1
 
 
@@ -50,7 +53,8 @@ void cl_profile(int on);
 long long cl_arena_takes(void);
 void cl_arena_enable(int on);
 int64_t cl_profile_take(int64_t* ns, int64_t* count, int64_t n);
-void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle);
+void cl_segment_init(uintptr_t conv, uintptr_t error, uintptr_t copy, uintptr_t shuffle, uintptr_t qconv,
+                     uintptr_t qmax_pool);
 """
 # The runtime is optimised like a library, not like kernels: it is shape
 # arithmetic and calls, the same on every x86-64 (no -march=native).
@@ -67,7 +71,8 @@ def _build_runtime() -> build.Library:
         return int(effi.cast("uintptr_t", effi.addressof(ext, name)))
 
     lib.lib.cl_segment_init(addr("cl_conv_forward"), addr("cl_last_error"),
-                            addr("cl_copy_strided"), addr("cl_channel_shuffle"))
+                            addr("cl_copy_strided"), addr("cl_channel_shuffle"),
+                            addr("cl_qconv_forward"), addr("cl_qmax_pool"))
     lib.lib.cl_arena_enable(1 if config.arenas() else 0)
     return lib
 
@@ -194,6 +199,11 @@ class Program:
         return rt, prog
 
 
+def pooled(b: ir.Buffer) -> bool:
+    """A buffer whose storage the segment's pool takes back."""
+    return isinstance(b, ir.Buffer) and b.is_tensor and b.dtype in POOLED
+
+
 def _cl(order) -> int:
     return int(order == L.CHANNELS_LAST)
 
@@ -301,7 +311,7 @@ class SegmentEncoder:
         root = self.root.get(b, b)
         members = self.live_views.get(root)
         if members is None:  # never viewed
-            self.p.op("GIVE" if b in self.fresh and float_tensor(b) else "RESET", self.reg[b])
+            self.p.op("GIVE" if b in self.fresh and pooled(b) else "RESET", self.reg[b])
             return
         members.discard(b)
         if b is not root:
@@ -309,7 +319,7 @@ class SegmentEncoder:
         if members:
             return  # the root's handle stays until its last view died
         poolable = root not in self.unpoolable
-        self.p.op("GIVE" if root in self.fresh and poolable and float_tensor(root) else "RESET",
+        self.p.op("GIVE" if root in self.fresh and poolable and pooled(root) else "RESET",
                   self.reg[root])
         for copy in self.view_copies.pop(root, []):
             self.p.op("GIVE" if poolable else "RESET", copy)
@@ -373,7 +383,7 @@ class SegmentEncoder:
         inplace = self.inplace_input(n)
         out = self.out_reg(n)
         self.p.op("KERNEL", out, self.p.kernel(self.kernels[n]), n.out.rank, len(ins), ins,
-                  _cl(n.out.layout), ES[n.out.dtype], self.fresh_flag(n.out),
+                  _cl(n.out.layout), HELD_ES[n.out.dtype], self.fresh_flag(n.out),
                   self.reg[inplace] if inplace is not None else -1)
 
     def inplace_input(self, n: ir.Kernel) -> Optional[ir.Buffer]:

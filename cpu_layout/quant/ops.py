@@ -14,7 +14,6 @@ dequantized floats).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -101,7 +100,6 @@ class QConv:
         self.has_residual = any(p == "add" for p in self.post_ops)
         self.residual_scale, self.residual_zp = float(residual_scale), int(residual_zp)
         self._args = {}  # input size -> the filled cl_qconv_args
-        self._checked = {}  # weight serial -> (version, epoch) whose zero points were checked
 
     def __repr__(self):
         return (f"QConv(stride={self.stride}, padding={self.padding}, groups={self.groups}, "
@@ -136,16 +134,6 @@ class QConv:
         a.sum_scale, a.sum_zp = self.residual_scale, self.residual_zp
         return a, tuple(out)
 
-    def _check_weight(self, w: torch.Tensor, w_zps: torch.Tensor, serial: int) -> bool:
-        """Symmetric weights (zero points all 0) run on oneDNN; checked once per weight version."""
-        key = (content_version(w_zps), w_zps.data_ptr(), state_epoch())
-        if self._checked.get(serial) == key:
-            return True
-        ok = not bool(w_zps.any())
-        if ok:
-            self._checked[serial] = key
-        return ok
-
     def reference(self, x, w, w_scales, w_zps, bias, residual=None):
         """The eager computation: dequantize, conv, post-ops, quantize (the fallback)."""
         xf = dequantize(x, self.x_scale, self.x_zp)
@@ -170,21 +158,21 @@ class QConv:
             return channels_last(quantize(y, self.out_scale, self.out_zp, self.out_dtype))
         return channels_last(y.to(self.out_dtype))
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, w_zps: torch.Tensor,
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """w: symmetric int8 weights (`SymmetricWeight` checks a graph's once per change)."""
         if x.dtype != self.x_dtype or w.dtype != torch.int8 or x.dim() != self.nsp + 2:
             raise TypeError(f"int8 conv: expected a {self.nsp + 2}-d {self.x_dtype} input and an int8 weight, "
                             f"got {x.dtype} {tuple(x.shape)} and {w.dtype}")
         if residual is not None and not self.has_residual:
             raise TypeError("int8 conv: a residual was given to a conv without a residual add")
-        serial = _weight_serial(w)
-        if not self._check_weight(w, w_zps, serial):
-            _warn_asymmetric()
-            return self.reference(x, w, w_scales, w_zps, bias, residual)
-        if x.shape[0] == 0 or x.numel() == 0:
-            return self.reference(x, w, w_scales, w_zps, bias, residual)
+        return self.run(x, w, _weight_serial(w), content_version(w), w_scales, bias, residual)
+
+    def run(self, x, w, serial: int, version: int, w_scales, bias=None, residual=None) -> torch.Tensor:
+        """__call__ with the weight's identity given (a view of a weight keeps its source's)."""
+        if x.numel() == 0:  # oneDNN takes no empty problem; eager gives an empty result
+            return self.reference(x, w, w_scales, torch.zeros_like(w_scales), bias, residual)
         x = channels_last(x)
-        w = w.contiguous()
         scales = w_scales if w_scales.dtype == torch.float32 and w_scales.is_contiguous() else \
             w_scales.float().contiguous()
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -204,7 +192,7 @@ class QConv:
                 raise ValueError("int8 conv: the residual must have the output's size and dtype")
             residual = channels_last(residual)  # copied into the output, which the sum adds to
             res_addr = residual.data_ptr()
-        rc = lib.cl_qconv_forward(args, x.data_ptr(), self.x_scale, w.data_ptr(), serial, content_version(w),
+        rc = lib.cl_qconv_forward(args, x.data_ptr(), self.x_scale, w.data_ptr(), serial, version,
                                   scales.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(),
                                   self.out_scale, res_addr)
         if rc:
@@ -228,15 +216,27 @@ class QConv:
         return ffi.string(buf).decode()
 
 
-_warned = []
+class SymmetricWeight:
+    """An int8 conv's weight as oneDNN takes it: per-output-channel symmetric int8 (zero
+    points all 0, as X86InductorQuantizer makes them). Module state, so a graph computes it
+    once per change of the weight or its zero points (memoized; the C++ wrapper's prologue);
+    a weight with non-zero zero points is refused with the reason, never run wrong."""
 
+    __name__ = "cpu_layout_symmetric_weight"
 
-def _warn_asymmetric() -> None:
-    if not _warned:
-        _warned.append(True)
-        warnings.warn("cpu_layout: an int8 conv weight has non-zero zero points; it runs dequantized in "
-                      "float32 (oneDNN's int8 convs take symmetric weights)", RuntimeWarning, stacklevel=3)
+    def __init__(self, name: str):
+        self.name = name
 
+    def __call__(self, w: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+        if w.dtype != torch.int8:
+            raise TypeError(f"int8 conv {self.name}: the weight is {w.dtype}, not int8")
+        if bool(zero_points.any()):
+            raise ValueError(f"int8 conv {self.name}: the weight's zero points are not all 0; cpu_layout's "
+                             "int8 convs take symmetric per-channel weights (X86InductorQuantizer's)")
+        return w.contiguous()
+
+    def fake(self, w, _zero_points):
+        return torch.empty(w.shape, dtype=w.dtype)
 
 
 class QMaxPool:
@@ -319,3 +319,96 @@ class QCat:
         return torch.cat([channels_last(p) for p in parts], self.dim)
 
     fake = __call__  # torch.cat and the layout change work on fake tensors as they are
+
+
+class QLinear:
+    """An int8 linear, x [M, K] (uint8/int8) times a symmetric int8 weight [N, K]: a 1x1
+    `QConv` over [1, K, 1, M], which is x's own memory read channels-last (the float path's
+    linear-as-conv, patterns._linear_as_conv). Result [M, N], row-major."""
+
+    __name__ = "cpu_layout_qlinear"
+
+    def __init__(self, x_scale: float, x_zp: int, x_dtype, out_dtype, out_scale: float = 1.0, out_zp: int = 0,
+                 post_ops: Sequence = ()):
+        self.conv = QConv((1, 1), (0, 0), (1, 1), 1, x_scale, x_zp, x_dtype, out_dtype, out_scale, out_zp,
+                          post_ops)
+
+    def __repr__(self):
+        return f"QLinear({self.conv!r})"
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"int8 linear: expected x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                             f"{tuple(w.shape)}")
+        m, n = x.shape[0], w.shape[0]
+        x4 = x.t()[None, :, None, :]
+        w4 = w.contiguous().view(n, w.shape[1], 1, 1)
+        y = self.conv.run(x4, w4, _weight_serial(w), content_version(w), w_scales, bias)
+        return y.view(n, m).t() if m else torch.empty((0, n), dtype=y.dtype)
+
+    def fake(self, x, w, *_rest):
+        return torch.empty((x.shape[0], w.shape[0]), dtype=self.conv.out_dtype)
+
+
+def _lower_cast(lowering, n, op: str, params: tuple):
+    """A quantize/dequantize call as the element-wise op `op` (codegen/expr.py): the float ops
+    around it fuse with it into one generated kernel that loads and stores the int8 tensor
+    (lower.py asks a call with a `lower_into` to lower itself)."""
+    from cpu_layout import ir
+
+    x = lowering.env[n.args[0]]
+    out = lowering._buffer_for(n)
+    lowering.g.add(ir.Pointwise(n.name, [x], out, op=op, args=[x], params=params, aten=(n.target, [x], {})))
+    return out
+
+
+class Quantize:
+    """quantize_per_tensor (float32 -> uint8/int8, the full range): the element-wise op "quant",
+    fused with the float ops before it. Called as it is (a graph that kept it on ATen), torch's
+    formula; the result in the input's memory order either way."""
+
+    __name__ = "cpu_layout_quantize"
+
+    def __init__(self, scale: float, zp: int, dtype):
+        if dtype not in _RANGE:
+            raise ValueError(f"quantize: dtype must be uint8 or int8, got {dtype}")
+        self.scale, self.zp, self.dtype = float(scale), int(zp), dtype
+
+    def __repr__(self):
+        return f"Quantize({self.scale}, {self.zp}, {self.dtype})"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize(x if x.dtype == torch.float32 else x.float(), self.scale, self.zp, self.dtype)
+
+    def fake(self, x):
+        return torch.empty_like(x, dtype=self.dtype)
+
+    def lower_into(self, lowering, n):
+        return _lower_cast(lowering, n, "quant", (self.scale, self.zp, *_RANGE[self.dtype]))
+
+
+class Dequantize:
+    """dequantize_per_tensor (uint8/int8 -> float32): the element-wise op "dequant", fused
+    with the float ops after it (see Quantize)."""
+
+    __name__ = "cpu_layout_dequantize"
+
+    def __init__(self, scale: float, zp: int, dtype):
+        if dtype not in _RANGE:
+            raise ValueError(f"dequantize: dtype must be uint8 or int8, got {dtype}")
+        self.scale, self.zp, self.dtype = float(scale), int(zp), dtype
+
+    def __repr__(self):
+        return f"Dequantize({self.scale}, {self.zp}, {self.dtype})"
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        if q.dtype != self.dtype:
+            raise TypeError(f"dequantize: expected {self.dtype}, got {q.dtype}")
+        return dequantize(q, self.scale, self.zp)
+
+    def fake(self, q):
+        return torch.empty_like(q, dtype=torch.float32)
+
+    def lower_into(self, lowering, n):
+        return _lower_cast(lowering, n, "dequant", (self.scale, self.zp))

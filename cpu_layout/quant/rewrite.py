@@ -11,6 +11,7 @@ with one `QConv` call on the uint8/int8 tensors (csrc/qconv.cpp), and
 
     dequantize_per_tensor(q) -> max_pool2d -> quantize_per_tensor (same scale and zero point)
     cat(dequantize_per_tensor(q_i), ...) -> quantize_per_tensor (one scale and zero point)
+    addmm(bias, dequantize(x), t(dequantize_per_channel(w))) [-> activation] [-> quantize]
 
 with the max pool (oneDNN's int8 pooling) or the cat on the int8 tensors themselves. The calls' outputs are channels-last, which
 their fake values say, so the planner sees int8 tensors flow between convs
@@ -29,7 +30,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from cpu_layout import config
-from cpu_layout.quant.ops import QCat, QConv, QMaxPool, full_range
+from cpu_layout.quant.ops import (Dequantize, QCat, QConv, QLinear, QMaxPool, Quantize, SymmetricWeight,
+                                   full_range)
 
 aten = torch.ops.aten
 
@@ -192,10 +194,75 @@ class _Rewriter:
                      residual.scale if residual else 1.0, residual.zp if residual else 0)
         wq, scales, zps = weight
         with self.g.inserting_before(last):
-            args = (dq.src, wq, scales, zps, b) + ((residual.src,) if residual else ())
+            w_sym = self.g.call_function(SymmetricWeight(c.name), (wq, zps))
+            w_sym.meta["val"] = _val(wq)
+            args = (dq.src, w_sym, scales, b) + ((residual.src,) if residual else ())
             new = self.g.call_function(call, args)
         lv = _val(last)
         new.meta["val"] = _channels_last_like(lv, out_dtype)
+        last.replace_all_uses_with(new)
+        return True
+
+    def tail(self, start: Node):
+        """After a conv or linear: [activation] [quantize]. Returns (post_ops, quantization
+        (scale, zp, dtype) or None, the last node replaced)."""
+        post_ops, cur, nxt = [], start, self.only_user(start)
+        act = self.activation(nxt) if nxt is not None else None
+        if act is not None:
+            post_ops.append(act)
+            cur, nxt = nxt, self.only_user(nxt)
+        q = self.q_tensor(nxt) if nxt is not None else None
+        return post_ops, q, (nxt if q is not None else cur)
+
+    def linear(self, mm: Node) -> bool:
+        """addmm(bias, [view](dequantize(x)), t(dequantize_per_channel(w))) [-> view] [-> activation]
+        [-> quantize] (mm without the bias): an int8 linear on the quantized x."""
+        if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
+            return False
+        b, x, wt = (mm.args if mm.target is aten.addmm.default else (None, *mm.args))[:3]
+        if not (isinstance(wt, Node) and wt.target is aten.t.default and len(wt.users) == 1):
+            return False
+        shape = None
+        if isinstance(x, Node) and x.target in (aten.view.default, aten.reshape.default) and len(x.users) == 1:
+            shape, x = x.args[1], x.args[0]
+        dq = self.dq_tensor(x)
+        if dq is None:
+            return False
+        weight = self.weight(wt.args[0])
+        mv = _val(mm)
+        if weight is None or mv is None or mv.dtype is not torch.float32:
+            return False
+        if b is not None and not (b in self.params and _val(b).dtype is torch.float32 and _val(b).dim() == 1):
+            return False
+        # An optional view back to the caller's shape (a linear over [..., K]): element-wise
+        # post-ops commute with it.
+        out_view, start = None, mm
+        nxt = self.only_user(mm)
+        if nxt is not None and nxt.target in (aten.view.default, aten.reshape.default):
+            out_view, start = nxt.args[1], nxt
+        post_ops, q, last = self.tail(start)
+        out_scale, out_zp, out_dtype = q if q is not None else (1.0, 0, torch.float32)
+        call = QLinear(dq.scale, dq.zp, dq.dtype, out_dtype, out_scale, out_zp, post_ops)
+        wq, scales, zps = weight
+        fake = getattr(_val(dq.src), "fake_mode", None)
+        if fake is None:
+            return False
+        with self.g.inserting_before(last):
+            src = dq.src
+            if shape is not None:
+                src = self.g.call_function(aten.view.default, (dq.src, shape))  # a view the plan lays out
+                with fake:
+                    src.meta["val"] = aten.view.default(_val(dq.src), shape)
+            w_sym = self.g.call_function(SymmetricWeight(mm.name), (wq, zps))
+            w_sym.meta["val"] = _val(wq)
+            new = self.g.call_function(call, (src, w_sym, scales, b))
+            with fake:
+                new.meta["val"] = call.fake(_val(src), _val(wq))
+            if out_view is not None:
+                shaped = self.g.call_function(aten.view.default, (new, out_view))
+                with fake:
+                    shaped.meta["val"] = aten.view.default(new.meta["val"], out_view)
+                new = shaped
         last.replace_all_uses_with(new)
         return True
 
@@ -244,6 +311,33 @@ class _Rewriter:
         q_node.replace_all_uses_with(new)
         return True
 
+    def casts(self) -> int:
+        """The quantize/dequantize nodes no pattern took: `Quantize`/`Dequantize` calls, which
+        lower to element-wise ops that fuse with the float ops around them into one
+        generated kernel (quantized_decomposed's own run 4-5 ATen passes each)."""
+        n_casts = 0
+        for n in list(self.g.nodes):
+            if n.op != "call_function" or len(n.args) < 6 or n.kwargs:
+                continue
+            if n.target is self.t["dequantize_per_tensor"]:
+                d = self.dq_tensor(n)
+                call = Dequantize(d.scale, d.zp, d.dtype) if d is not None else None
+            elif n.target is self.t["quantize_per_tensor"] and _val(n.args[0]) is not None \
+                    and _val(n.args[0]).dtype is torch.float32:
+                q = self.q_tensor(n)
+                call = Quantize(*q) if q is not None else None
+            else:
+                continue
+            if call is None:
+                continue
+            with self.g.inserting_before(n):
+                new = self.g.call_function(call, (n.args[0],))
+            new.meta["val"] = _val(n)
+            n.replace_all_uses_with(new)
+            self.g.erase_node(n)
+            n_casts += 1
+        return n_casts
+
     def run(self) -> int:
         changed = 0
         for n in list(self.g.nodes):
@@ -255,17 +349,20 @@ class _Rewriter:
                 changed += self.max_pool(n)
             elif n.target is aten.cat.default:
                 changed += self.cat(n)
+            elif n.target in (aten.addmm.default, aten.mm.default):
+                changed += self.linear(n)
+        casts = 0
         if changed:
             self.g.eliminate_dead_code()
+            casts = self.casts()
             _refresh_fake_values(self.g)
             self.gm.recompile()
         for r in dict.fromkeys(self.reasons):
             _log(f"left as ATen ops: {r}")
         left = [n.name for n in self.g.nodes if n.op == "call_function" and n.target in self.t.values()]
-        if left:
-            _log(f"{changed} patterns rewritten; quantize/dequantize nodes left as ATen ops: {len(left)} "
-                 f"(first: {', '.join(left[:4])})")
-        return changed
+        _log(f"{changed} patterns rewritten, {casts} quantize/dequantize nodes as element-wise ops, "
+             f"{len(left)} left as ATen ops" + (f" (first: {', '.join(left[:4])})" if left else ""))
+        return changed + casts
 
 
 def _channels_last_like(v, dtype):
