@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 extern "C" {
 #include "cl_api.h"
@@ -141,6 +142,52 @@ struct Entry {
     memory::desc scale1_md, wscale_md, zp_md;
     size_t scratch_bytes = 0;
     std::string impl;
+    // Idle sets of the memory objects one execution binds, re-pointed per call (as conv.cpp's
+    // ConvEntry::Bound): made per call with the argument map execute() takes, they cost
+    // about 19 us per int8 conv inside a forward (mobilenet_v3_large: QCONV 3.2 ms against
+    // oneDNN's own 2.0 ms for its 64 convs, EPYC Zen 5).
+    struct Bound {
+        memory src, dst, scratch, bias, src_scale, wei_scale, dst_scale, src_zp, dst_zp;
+    };
+    mutable std::mutex bound_mu;
+    mutable std::vector<std::unique_ptr<Bound>> bound_idle;
+};
+
+// Takes an idle Bound of `e` (or makes one) and gives it back when done.
+class Lease {
+   public:
+    explicit Lease(const Entry &e) : e_(e) {
+        {
+            std::lock_guard<std::mutex> g(e.bound_mu);
+            if (!e.bound_idle.empty()) {
+                b_ = std::move(e.bound_idle.back());
+                e.bound_idle.pop_back();
+                return;
+            }
+        }
+        const dnnl::engine &eng = cpu_engine();
+        b_ = std::make_unique<Entry::Bound>();
+        b_->src = memory(e.src_md, eng, DNNL_MEMORY_NONE);
+        b_->dst = memory(e.dst_md, eng, DNNL_MEMORY_NONE);
+        b_->scratch = memory(e.scratch_md, eng, DNNL_MEMORY_NONE);
+        if (!e.bias_md.is_zero()) b_->bias = memory(e.bias_md, eng, DNNL_MEMORY_NONE);
+        b_->src_scale = memory(e.scale1_md, eng, DNNL_MEMORY_NONE);
+        b_->wei_scale = memory(e.wscale_md, eng, DNNL_MEMORY_NONE);
+        b_->dst_scale = memory(e.scale1_md, eng, DNNL_MEMORY_NONE);
+        b_->src_zp = memory(e.zp_md, eng, DNNL_MEMORY_NONE);
+        b_->dst_zp = memory(e.zp_md, eng, DNNL_MEMORY_NONE);
+    }
+    ~Lease() {
+        std::lock_guard<std::mutex> g(e_.bound_mu);
+        e_.bound_idle.push_back(std::move(b_));
+    }
+    Entry::Bound &operator*() { return *b_; }
+    Lease(const Lease &) = delete;
+    Lease &operator=(const Lease &) = delete;
+
+   private:
+    const Entry &e_;
+    std::unique_ptr<Entry::Bound> b_;
 };
 
 dnnl::algorithm eltwise(int kind, float &alpha, float &beta) {
@@ -285,25 +332,29 @@ void run(const cl_qconv_args &a, const void *src, float src_scale, const void *w
         for (int i = 0; i < a.nsp; ++i) bytes *= static_cast<size_t>(a.out_sp[i]);
         std::memcpy(dst, residual, bytes);
     }
-    const int32_t szp = a.src_zp, dzp = a.dst_zp;
+    int32_t szp = a.src_zp, dzp = a.dst_zp;
     float ss = src_scale, ds = dst_scale;
-    memory m_src(e.src_md, eng, const_cast<void *>(src)), m_dst(e.dst_md, eng, dst);
-    memory m_scratch(e.scratch_md, eng, cldnn::thread_scratch(e.scratch_bytes));
-    memory m_ss(e.scale1_md, eng, &ss), m_ws(e.wscale_md, eng, const_cast<float *>(wscales));
-    memory m_ds(e.scale1_md, eng, &ds);
-    memory m_szp(e.zp_md, eng, const_cast<int32_t *>(&szp)), m_dzp(e.zp_md, eng, const_cast<int32_t *>(&dzp));
-    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, m_src},
-                                         {DNNL_ARG_WEIGHTS, wei},
-                                         {DNNL_ARG_DST, m_dst},
-                                         {DNNL_ARG_SCRATCHPAD, m_scratch},
-                                         {DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, m_ss},
-                                         {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, m_ws}};
-    if (a.has_bias) args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, const_cast<void *>(bias)));
-    if (is_int8(a.dst_dt)) args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, m_ds);
-    if (a.src_zp) args.emplace(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, m_szp);
-    if (a.dst_zp) args.emplace(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, m_dzp);
+    Lease lease(e);
+    Entry::Bound &m = *lease;
+    dnnl_exec_arg_t args[10];
+    int n = 0;
+    auto bind = [&](int arg, const memory &mem, const void *ptr) {
+        mem.set_data_handle(const_cast<void *>(ptr));
+        args[n++] = {arg, mem.get()};
+    };
+    args[n++] = {DNNL_ARG_WEIGHTS, wei.get()};
+    bind(DNNL_ARG_SRC, m.src, src);
+    bind(DNNL_ARG_DST, m.dst, dst);
+    bind(DNNL_ARG_SCRATCHPAD, m.scratch, cldnn::thread_scratch(e.scratch_bytes));
+    bind(DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, m.src_scale, &ss);
+    bind(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, m.wei_scale, wscales);
+    if (a.has_bias) bind(DNNL_ARG_BIAS, m.bias, bias);
+    if (is_int8(a.dst_dt)) bind(DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, m.dst_scale, &ds);
+    if (a.src_zp) bind(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, m.src_zp, &szp);
+    if (a.dst_zp) bind(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, m.dst_zp, &dzp);
     dnnl::stream &s = cldnn::thread_stream();
-    e.prim.execute(s, args);
+    dnnl::error::wrap_c_api(dnnl_primitive_execute(e.prim.get(), s.get(), n, args),
+                            "could not execute an int8 convolution");
     s.wait();
 }
 
