@@ -741,16 +741,11 @@ class AccuracyResult:
     warnings: List[str] = dataclasses.field(default_factory=list)
 
 
-def run_accuracy(name: str, model: torch.nn.Module, x: torch.Tensor, backend: str,
-                 dtype: str = "float32", dynamic: bool = False, wrapper: str = "default",
-                 channels_last: bool = False) -> AccuracyResult:
-    """benchmarks/dynamo/common.py check_accuracy, for inference: fp64 golden outputs,
-    two eager runs (tol=0) in the configuration's dtype, then the compiled run compared
-    with same(eager, compiled, fp64, tol). NotSupportedYet propagates."""
-    try:
-        fp64 = fp64_reference(model, x)
-    except Exception:  # noqa: BLE001 - the harness falls back to cosine; we keep allclose
-        fp64 = None
+def _eager_then_compiled(name, model, x, backend, dtype, dynamic, wrapper, channels_last):
+    """Two eager runs in the configuration's dtype (bitwise equal, tol=0), then one compiled
+    run checked to be the backend's own code: (eager output, compiled output, compiled
+    model, Dynamo's counters), or the AccuracyResult of what failed. NotSupportedYet
+    propagates."""
     eager = compile_model(model, "eager", dtype, False, "default", channels_last)
     xe = eager.prepare_input(x)
     try:
@@ -776,7 +771,23 @@ def run_accuracy(name: str, model: torch.nn.Module, x: torch.Tensor, backend: st
         raise
     except Exception as exc:  # noqa: BLE001
         return AccuracyResult("fail_to_run", one_line(name, exc), **dynamo_stats())
-    stats = dynamo_stats()
+    return ref1, res, c, dynamo_stats()
+
+
+def run_accuracy(name: str, model: torch.nn.Module, x: torch.Tensor, backend: str,
+                 dtype: str = "float32", dynamic: bool = False, wrapper: str = "default",
+                 channels_last: bool = False) -> AccuracyResult:
+    """benchmarks/dynamo/common.py check_accuracy, for inference: fp64 golden outputs,
+    two eager runs (tol=0) in the configuration's dtype, then the compiled run compared
+    with same(eager, compiled, fp64, tol). NotSupportedYet propagates."""
+    try:
+        fp64 = fp64_reference(model, x)
+    except Exception:  # noqa: BLE001 - the harness falls back to cosine; we keep allclose
+        fp64 = None
+    got = _eager_then_compiled(name, model, x, backend, dtype, dynamic, wrapper, channels_last)
+    if isinstance(got, AccuracyResult):
+        return got
+    ref1, res, c, stats = got
     ok = values_match(ref1, res, fp64, dtype)
     s_ok = strides_match(ref1, res)
     r = AccuracyResult("pass" if ok else "fail_accuracy", "", strides_ok=s_ok,
@@ -876,34 +887,15 @@ def run_accuracy_int8(name: str, fp32_model: torch.nn.Module, qmodel: torch.nn.M
     two eager runs of the quantized graph (tol=0), then the compiled quantized graph
     checked with int8_check against the eager one (rel. RMS error against
     `fp32_model`'s output, top-1 agreement). NotSupportedYet propagates."""
-    eager = compile_model(qmodel, "eager", "float32", False, "default", channels_last)
-    xe = eager.prepare_input(x)
     try:
-        ref1 = eager(xe)
-        ref2 = eager(eager.prepare_input(x))
         with torch.no_grad():
             fp32 = fp32_model(x)
     except Exception as exc:  # noqa: BLE001
         return AccuracyResult("fail_to_run", one_line(name, exc))
-    if not bitwise_equal(ref1, ref2):
-        return AccuracyResult("eager_two_runs_differ", f"{name}, eager outputs of two runs differ")
-    del ref2
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        c = compile_model(qmodel, backend, "float32", dynamic, wrapper, channels_last)
-        xc = c.prepare_input(x)
-        c.first_call(xc)
-        c.mark()
-        res = c(xc)
-        c.check_own_code(1)
-    except NotSupportedYet:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        return AccuracyResult("fail_to_run", one_line(name, exc), **dynamo_stats())
-    stats = dynamo_stats()
+    got = _eager_then_compiled(name, qmodel, x, backend, "float32", dynamic, wrapper, channels_last)
+    if isinstance(got, AccuracyResult):
+        return got
+    ref1, res, c, stats = got
     ok, why, _ = int8_check(res, ref1, fp32)
     r = AccuracyResult("pass" if ok else "fail_accuracy", "", strides_ok=strides_match(ref1, res),
                        warnings=list(c.fallback_warnings), **stats)

@@ -102,50 +102,12 @@ dt to_dt(int d) {
 
 size_t dt_size(dt d) { return d == dt::f32 ? 4 : 2; }
 
-tag act_tag(int nsp, bool cl) {
-    switch (nsp) {
-        case 1: return cl ? tag::nwc : tag::ncw;
-        case 2: return cl ? tag::nhwc : tag::nchw;
-        case 3: return cl ? tag::ndhwc : tag::ncdhw;
-    }
-    throw std::invalid_argument("spatial rank must be 1, 2 or 3");
-}
-
-tag wei_tag(int nsp, bool grouped, bool cl) {
-    switch (nsp) {
-        case 1: return grouped ? (cl ? tag::gowi : tag::goiw) : (cl ? tag::owi : tag::oiw);
-        case 2: return grouped ? (cl ? tag::gohwi : tag::goihw) : (cl ? tag::ohwi : tag::oihw);
-        case 3: return grouped ? (cl ? tag::godhwi : tag::goidhw) : (cl ? tag::odhwi : tag::oidhw);
-    }
-    throw std::invalid_argument("spatial rank must be 1, 2 or 3");
-}
+using cldnn::act_tag;
+using cldnn::wei_tag;
 
 // The primitive-cache key: the problem without pointers or weight identity,
 // normalised so unused fields and padding bytes are zero.
-struct Key {
-    cl_conv_args a;
-    bool operator==(const Key &o) const { return std::memcmp(&a, &o.a, sizeof(a)) == 0; }
-};
-struct KeyHash {
-    size_t operator()(const Key &k) const {
-        // Multiply-xorshift over the (zero-padded) struct's 64-bit words, in four
-        // independent lanes: one serial chain over 84 words cost 0.13 us a call.
-        static_assert(sizeof(cl_conv_args) % sizeof(uint64_t) == 0, "key is word-sized");
-        constexpr size_t n = sizeof(cl_conv_args) / sizeof(uint64_t);
-        uint64_t w[n];
-        std::memcpy(w, &k.a, sizeof(w));
-        uint64_t h[4] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull, 0x27D4EB2F165667C5ull};
-        for (size_t i = 0; i < n; ++i) {
-            uint64_t &x = h[i & 3];
-            x ^= w[i];
-            x *= 0xBF58476D1CE4E5B9ull;
-            x ^= x >> 31;
-        }
-        uint64_t r = h[0] ^ (h[1] * 0x94D049BB133111EBull) ^ (h[2] >> 17) ^ (h[3] * 0x9E3779B97F4A7C15ull);
-        r ^= r >> 29;
-        return static_cast<size_t>(r);
-    }
-};
+using Key = cldnn::Key<cl_conv_args>;
 
 Key make_key(const cl_conv_args &in) {
     Key k;
@@ -341,66 +303,26 @@ struct ConvEntry {
     memory::desc merged_wei_md;
     dnnl::matmul products;
     memory::desc wino_in_md, wino_out_md;
-    // Idle sets of the memory objects one execution binds. A call takes one
-    // (concurrent calls never share) and re-points it at its buffers: made per
-    // call, they and the argument map execute() takes cost 1.9 us per conv
-    // against 0.55 us re-pointed (1x1 conv on 1x16x4x4, oneDNN 3.2, EPYC Zen 4),
-    // about 0.1 ms of a batch-1 mobilenet_v3 forward.
+    // The memory objects one execution binds (cldnn::IdleSets: made once, re-pointed per call).
     struct Bound {
         memory src, dst, scratch, bias;
         std::vector<memory> adds;  // one per add_slots entry
     };
-    mutable std::mutex bound_mu;
-    mutable std::vector<std::unique_ptr<Bound>> bound_idle;
+    cldnn::IdleSets<Bound> bound;
 };
 
-// Takes an idle Bound of `e` (or makes one) and gives it back when done.
-class BoundLease {
-   public:
-    explicit BoundLease(const ConvEntry &e) : e_(e) {
-        {
-            std::lock_guard<std::mutex> g(e.bound_mu);
-            if (!e.bound_idle.empty()) {
-                b_ = std::move(e.bound_idle.back());
-                e.bound_idle.pop_back();
-                return;
-            }
-        }
-        const dnnl::engine &eng = cpu_engine();
-        b_ = std::make_unique<ConvEntry::Bound>();
-        b_->src = memory(e.src_md, eng, DNNL_MEMORY_NONE);
-        b_->dst = memory(e.dst_md, eng, DNNL_MEMORY_NONE);
-        b_->scratch = memory(e.scratch_md, eng, DNNL_MEMORY_NONE);
-        if (!e.bias_md.is_zero()) b_->bias = memory(e.bias_md, eng, DNNL_MEMORY_NONE);
-        for (size_t r = 0; r < e.add_slots.size(); ++r) b_->adds.push_back(memory(e.dst_md, eng, DNNL_MEMORY_NONE));
-    }
-    ~BoundLease() {
-        std::lock_guard<std::mutex> g(e_.bound_mu);
-        e_.bound_idle.push_back(std::move(b_));
-    }
-    ConvEntry::Bound &operator*() { return *b_; }
-    BoundLease(const BoundLease &) = delete;
-    BoundLease &operator=(const BoundLease &) = delete;
-
-   private:
-    const ConvEntry &e_;
-    std::unique_ptr<ConvEntry::Bound> b_;
-};
-
-dnnl::algorithm eltwise_alg(int kind, float &alpha, float &beta) {
-    switch (kind) {
-        case CL_PO_RELU: beta = 0.f; return dnnl::algorithm::eltwise_relu;
-        case CL_PO_SILU: alpha = 1.f; beta = 0.f; return dnnl::algorithm::eltwise_swish;
-        case CL_PO_GELU_TANH: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_tanh;
-        case CL_PO_GELU_ERF: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_erf;
-        // torch: x * relu6(x + 3) / 6 == x * clamp(x/6 + 1/2, 0, 1)
-        case CL_PO_HARDSWISH: alpha = 1.f / 6.f; beta = 0.5f; return dnnl::algorithm::eltwise_hardswish;
-        case CL_PO_SIGMOID: alpha = beta = 0.f; return dnnl::algorithm::eltwise_logistic;
-        case CL_PO_TANH: alpha = beta = 0.f; return dnnl::algorithm::eltwise_tanh;
-        case CL_PO_CLAMP: return dnnl::algorithm::eltwise_clip_v2;
-    }
-    throw std::invalid_argument("not an eltwise post-op");
+std::unique_ptr<ConvEntry::Bound> make_bound(const ConvEntry &e) {
+    const dnnl::engine &eng = cpu_engine();
+    auto b = std::make_unique<ConvEntry::Bound>();
+    b->src = memory(e.src_md, eng, DNNL_MEMORY_NONE);
+    b->dst = memory(e.dst_md, eng, DNNL_MEMORY_NONE);
+    b->scratch = memory(e.scratch_md, eng, DNNL_MEMORY_NONE);
+    if (!e.bias_md.is_zero()) b->bias = memory(e.bias_md, eng, DNNL_MEMORY_NONE);
+    for (size_t r = 0; r < e.add_slots.size(); ++r) b->adds.push_back(memory(e.dst_md, eng, DNNL_MEMORY_NONE));
+    return b;
 }
+
+using cldnn::eltwise_alg;
 
 bool is_ref(const char *impl) { return std::strstr(impl, "ref") != nullptr; }
 
@@ -689,67 +611,17 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
 
 // ---- primitive cache: LRU over problem keys --------------------------------
 
-class PrimitiveCache {
-   public:
-    std::shared_ptr<ConvEntry> get(const cl_conv_args &a) {
-        Key k = make_key(a);
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            auto it = map_.find(k);
-            if (it != map_.end()) {
-                lru_.splice(lru_.begin(), lru_, it->second);
-                g_stats.primitive_cache_hits++;
-                return it->second->second;
-            }
-        }
-        // Build outside the lock: primitive creation can take milliseconds
-        // (JIT), and other threads' hits must not wait for it.
-        auto e = build_entry(k.a);
-        g_stats.primitives_created++;
-        std::lock_guard<std::mutex> g(mu_);
-        auto it = map_.find(k);
-        if (it != map_.end()) return it->second->second;  // another thread won
-        lru_.emplace_front(k, e);
-        map_[k] = lru_.begin();
-        trim();
-        return e;
-    }
-    void clear() {
-        std::lock_guard<std::mutex> g(mu_);
-        map_.clear();
-        lru_.clear();
-    }
-    void set_capacity(int c) {
-        std::lock_guard<std::mutex> g(mu_);
-        capacity_ = std::max(1, c);
-        trim();
-    }
-    int capacity() {
-        std::lock_guard<std::mutex> g(mu_);
-        return static_cast<int>(capacity_);
-    }
-    long long size() {
-        std::lock_guard<std::mutex> g(mu_);
-        return static_cast<long long>(map_.size());
-    }
-
-   private:
-    void trim() {
-        while (map_.size() > capacity_) {
-            map_.erase(lru_.back().first);
-            lru_.pop_back();
-        }
-    }
-    using Item = std::pair<Key, std::shared_ptr<ConvEntry>>;
-    std::mutex mu_;
-    std::list<Item> lru_;
-    std::unordered_map<Key, std::list<Item>::iterator, KeyHash> map_;
-    size_t capacity_ = 512;
-};
-
-PrimitiveCache &prim_cache() {
-    static PrimitiveCache c;
+cldnn::LruCache<cl_conv_args, ConvEntry> &prim_cache() {
+    static cldnn::LruCache<cl_conv_args, ConvEntry> c;
     return c;
+}
+
+std::shared_ptr<ConvEntry> get_entry(const cl_conv_args &a) {
+    const Key k = make_key(a);
+    bool hit = false;
+    auto e = prim_cache().get(k, [&] { return build_entry(k.a); }, &hit);
+    (hit ? g_stats.primitive_cache_hits : g_stats.primitives_created)++;
+    return e;
 }
 
 // The user's weight packed into what the primitive computes on (Winograd's transform,
@@ -900,7 +772,7 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
             throw std::invalid_argument("residual add without a tensor");
 
     g_stats.calls++;
-    std::shared_ptr<ConvEntry> ep = prim_cache().get(a);
+    std::shared_ptr<ConvEntry> ep = get_entry(a);
     const ConvEntry &e = *ep;
     const size_t first_binary = e.sum_slot >= 0 ? 1 : 0;
     memory wei = weight_cache().get(weight_id, weight_version, weight, e.wei_md, e.user_wei_md,
@@ -922,7 +794,7 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     uint8_t *mid = t_mid.get(std::max({e.src_in.mid_bytes, e.dst_out.mid_bytes, e.res_in.mid_bytes}));
     if (e.src_in.active || e.dst_out.active || e.bias_to_f32) g_stats.converted_calls++;
 
-    BoundLease lease(e);
+    cldnn::Lease<ConvEntry::Bound> lease(e.bound, [&] { return make_bound(e); });
     ConvEntry::Bound &m = *lease;
     dnnl_exec_arg_t args[5 + CL_MAX_POST_OPS];
     int n = 0;
@@ -1116,7 +988,7 @@ int cl_conv_impl_name(const cl_conv_args *args, char *out, int outlen) {
     return guarded([&] {
         if (!args) throw std::invalid_argument("null arguments");
         validate(*args);
-        write_str(out, outlen, prim_cache().get(*args)->impl);
+        write_str(out, outlen, get_entry(*args)->impl);
     });
 }
 

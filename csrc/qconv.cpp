@@ -47,21 +47,7 @@ dt qdt(int code) {
 
 bool is_int8(int code) { return code == CL_U8 || code == CL_S8; }
 
-tag act_tag(int nsp, bool cl) {
-    switch (nsp) {
-        case 1: return cl ? tag::nwc : tag::ncw;
-        case 2: return cl ? tag::nhwc : tag::nchw;
-        default: return cl ? tag::ndhwc : tag::ncdhw;
-    }
-}
-
-tag user_wei_tag(int nsp, bool grouped) {
-    switch (nsp) {
-        case 1: return grouped ? tag::goiw : tag::oiw;
-        case 2: return grouped ? tag::goihw : tag::oihw;
-        default: return grouped ? tag::goidhw : tag::oidhw;
-    }
-}
+using cldnn::act_tag;
 
 void validate(const cl_qconv_args &a) {
     auto bad = [](const std::string &m) { throw std::invalid_argument("int8 conv: " + m); };
@@ -86,18 +72,7 @@ void validate(const cl_qconv_args &a) {
 }
 
 // The key: the problem with every byte defined (padding and unused fields zero).
-struct Key {
-    cl_qconv_args a;
-    bool operator==(const Key &o) const { return std::memcmp(&a, &o.a, sizeof a) == 0; }
-};
-struct KeyHash {
-    size_t operator()(const Key &k) const {
-        const unsigned char *p = reinterpret_cast<const unsigned char *>(&k.a);
-        size_t h = 1469598103934665603ull;
-        for (size_t i = 0; i < sizeof k.a; ++i) h = (h ^ p[i]) * 1099511628211ull;
-        return h;
-    }
-};
+using Key = cldnn::Key<cl_qconv_args>;
 
 Key make_key(const cl_qconv_args &in) {
     Key k;
@@ -142,65 +117,26 @@ struct Entry {
     memory::desc scale1_md, wscale_md, zp_md;
     size_t scratch_bytes = 0;
     std::string impl;
-    // Idle sets of the memory objects one execution binds, re-pointed per call (as conv.cpp's
-    // ConvEntry::Bound): made per call with the argument map execute() takes, they cost
-    // about 19 us per int8 conv inside a forward (mobilenet_v3_large: QCONV 3.2 ms against
-    // oneDNN's own 2.0 ms for its 64 convs, EPYC Zen 5).
+    // The memory objects one execution binds (cldnn::IdleSets: made once, re-pointed per call).
     struct Bound {
         memory src, dst, scratch, bias, src_scale, wei_scale, dst_scale, src_zp, dst_zp;
     };
-    mutable std::mutex bound_mu;
-    mutable std::vector<std::unique_ptr<Bound>> bound_idle;
+    cldnn::IdleSets<Bound> bound;
 };
 
-// Takes an idle Bound of `e` (or makes one) and gives it back when done.
-class Lease {
-   public:
-    explicit Lease(const Entry &e) : e_(e) {
-        {
-            std::lock_guard<std::mutex> g(e.bound_mu);
-            if (!e.bound_idle.empty()) {
-                b_ = std::move(e.bound_idle.back());
-                e.bound_idle.pop_back();
-                return;
-            }
-        }
-        const dnnl::engine &eng = cpu_engine();
-        b_ = std::make_unique<Entry::Bound>();
-        b_->src = memory(e.src_md, eng, DNNL_MEMORY_NONE);
-        b_->dst = memory(e.dst_md, eng, DNNL_MEMORY_NONE);
-        b_->scratch = memory(e.scratch_md, eng, DNNL_MEMORY_NONE);
-        if (!e.bias_md.is_zero()) b_->bias = memory(e.bias_md, eng, DNNL_MEMORY_NONE);
-        b_->src_scale = memory(e.scale1_md, eng, DNNL_MEMORY_NONE);
-        b_->wei_scale = memory(e.wscale_md, eng, DNNL_MEMORY_NONE);
-        b_->dst_scale = memory(e.scale1_md, eng, DNNL_MEMORY_NONE);
-        b_->src_zp = memory(e.zp_md, eng, DNNL_MEMORY_NONE);
-        b_->dst_zp = memory(e.zp_md, eng, DNNL_MEMORY_NONE);
-    }
-    ~Lease() {
-        std::lock_guard<std::mutex> g(e_.bound_mu);
-        e_.bound_idle.push_back(std::move(b_));
-    }
-    Entry::Bound &operator*() { return *b_; }
-    Lease(const Lease &) = delete;
-    Lease &operator=(const Lease &) = delete;
-
-   private:
-    const Entry &e_;
-    std::unique_ptr<Entry::Bound> b_;
-};
-
-dnnl::algorithm eltwise(int kind, float &alpha, float &beta) {
-    switch (kind) {
-        case CL_PO_RELU: beta = 0.f; return dnnl::algorithm::eltwise_relu;
-        case CL_PO_CLAMP: return dnnl::algorithm::eltwise_clip_v2;
-        case CL_PO_HARDSWISH: alpha = 1.f / 6.f; beta = 0.5f; return dnnl::algorithm::eltwise_hardswish;
-        case CL_PO_SILU: alpha = 1.f; beta = 0.f; return dnnl::algorithm::eltwise_swish;
-        case CL_PO_GELU_TANH: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_tanh;
-        case CL_PO_GELU_ERF: alpha = beta = 0.f; return dnnl::algorithm::eltwise_gelu_erf;
-        case CL_PO_SIGMOID: alpha = beta = 0.f; return dnnl::algorithm::eltwise_logistic;
-    }
-    throw std::invalid_argument("int8 conv: unsupported post-op kind " + std::to_string(kind));
+std::unique_ptr<Entry::Bound> make_bound(const Entry &e) {
+    const dnnl::engine &eng = cpu_engine();
+    auto b = std::make_unique<Entry::Bound>();
+    b->src = memory(e.src_md, eng, DNNL_MEMORY_NONE);
+    b->dst = memory(e.dst_md, eng, DNNL_MEMORY_NONE);
+    b->scratch = memory(e.scratch_md, eng, DNNL_MEMORY_NONE);
+    if (!e.bias_md.is_zero()) b->bias = memory(e.bias_md, eng, DNNL_MEMORY_NONE);
+    b->src_scale = memory(e.scale1_md, eng, DNNL_MEMORY_NONE);
+    b->wei_scale = memory(e.wscale_md, eng, DNNL_MEMORY_NONE);
+    b->dst_scale = memory(e.scale1_md, eng, DNNL_MEMORY_NONE);
+    b->src_zp = memory(e.zp_md, eng, DNNL_MEMORY_NONE);
+    b->dst_zp = memory(e.zp_md, eng, DNNL_MEMORY_NONE);
+    return b;
 }
 
 std::shared_ptr<Entry> build(const cl_qconv_args &a) {
@@ -221,7 +157,7 @@ std::shared_ptr<Entry> build(const cl_qconv_args &a) {
     }
     e->src_md = memory::desc(src_d, qdt(a.src_dt), act_tag(nsp, a.src_cl));
     e->dst_md = memory::desc(dst_d, qdt(a.dst_dt), act_tag(nsp, a.dst_cl));
-    e->user_wei_md = memory::desc(wei_d, dt::s8, user_wei_tag(nsp, grouped));
+    e->user_wei_md = memory::desc(wei_d, dt::s8, cldnn::wei_tag(nsp, grouped, false));
     const memory::desc wei_any(wei_d, dt::s8, tag::any);
     if (a.has_bias) e->bias_md = memory::desc({a.oc}, dt::f32, tag::a);
 
@@ -240,8 +176,9 @@ std::shared_ptr<Entry> build(const cl_qconv_args &a) {
             po.append_sum(a.sum_scale, a.sum_zp, qdt(a.dst_dt));
             continue;
         }
+        if (p.kind == CL_PO_TANH) throw std::invalid_argument("int8 conv: unsupported post-op tanh");
         float alpha = p.alpha, beta = p.beta;
-        const dnnl::algorithm alg = eltwise(p.kind, alpha, beta);
+        const dnnl::algorithm alg = cldnn::eltwise_alg(p.kind, alpha, beta);
         po.append_eltwise(alg, alpha, beta);
     }
     attr.set_post_ops(po);
@@ -263,48 +200,15 @@ std::shared_ptr<Entry> build(const cl_qconv_args &a) {
     return e;
 }
 
-// LRU over problem keys, as conv.cpp's cache of float primitives.
-class Cache {
-   public:
-    std::shared_ptr<Entry> get(const cl_qconv_args &a) {
-        Key k = make_key(a);
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            auto it = map_.find(k);
-            if (it != map_.end()) {
-                lru_.splice(lru_.begin(), lru_, it->second);
-                return it->second->second;
-            }
-        }
-        auto e = build(k.a);  // outside the lock: JIT takes milliseconds
-        std::lock_guard<std::mutex> g(mu_);
-        auto it = map_.find(k);
-        if (it != map_.end()) return it->second->second;
-        lru_.emplace_front(k, e);
-        map_[k] = lru_.begin();
-        while (map_.size() > capacity_) {
-            map_.erase(lru_.back().first);
-            lru_.pop_back();
-        }
-        return e;
-    }
-    void clear() {
-        std::lock_guard<std::mutex> g(mu_);
-        map_.clear();
-        lru_.clear();
-    }
-
-   private:
-    using Item = std::pair<Key, std::shared_ptr<Entry>>;
-    std::mutex mu_;
-    std::list<Item> lru_;
-    std::unordered_map<Key, std::list<Item>::iterator, KeyHash> map_;
-    size_t capacity_ = 512;
-};
-
-Cache &cache() {
-    static Cache c;
+cldnn::LruCache<cl_qconv_args, Entry> &cache() {
+    static cldnn::LruCache<cl_qconv_args, Entry> c;
     return c;
+}
+
+std::shared_ptr<Entry> get_entry(const cl_qconv_args &a) {
+    const Key k = make_key(a);
+    bool hit = false;
+    return cache().get(k, [&] { return build(k.a); }, &hit);
 }
 
 size_t dt_bytes(int code) { return code == CL_F32 ? 4 : code == CL_BF16 ? 2 : 1; }
@@ -318,7 +222,7 @@ void run(const cl_qconv_args &a, const void *src, float src_scale, const void *w
     if (has_sum != (residual != nullptr)) throw std::invalid_argument("int8 conv: a residual add needs exactly one residual");
     if (!(src_scale > 0.f) || (is_int8(a.dst_dt) && !(dst_scale > 0.f)))
         throw std::invalid_argument("int8 conv: scales must be positive");
-    std::shared_ptr<Entry> ep = cache().get(a);
+    std::shared_ptr<Entry> ep = get_entry(a);
     const Entry &e = *ep;
     const dnnl::engine &eng = cpu_engine();
     memory wei = cldnn::packed_weight(wid, wver, weight, e.wei_md, e.user_wei_md, [&](memory &packed) {
@@ -334,7 +238,7 @@ void run(const cl_qconv_args &a, const void *src, float src_scale, const void *w
     }
     int32_t szp = a.src_zp, dzp = a.dst_zp;
     float ss = src_scale, ds = dst_scale;
-    Lease lease(e);
+    cldnn::Lease<Entry::Bound> lease(e.bound, [&] { return make_bound(e); });
     Entry::Bound &m = *lease;
     dnnl_exec_arg_t args[10];
     int n = 0;
@@ -379,7 +283,7 @@ int cl_qconv_impl_name(const cl_qconv_args *args, char *out, int outlen) {
     return cldnn::guarded_call([&] {
         if (!args) throw std::invalid_argument("null arguments");
         validate(*args);
-        cldnn::write_error_str(out, outlen, cache().get(*args)->impl);
+        cldnn::write_error_str(out, outlen, get_entry(*args)->impl);
     });
 }
 

@@ -363,20 +363,24 @@ def _lower_cast(lowering, n, op: str, params: tuple):
     return out
 
 
-class Quantize:
+class _Cast:
+    """A quantize or dequantize node's call: static scale, zero point and int8 dtype."""
+
+    def __init__(self, scale: float, zp: int, dtype):
+        if dtype not in _RANGE:
+            raise ValueError(f"{type(self).__name__}: dtype must be uint8 or int8, got {dtype}")
+        self.scale, self.zp, self.dtype = float(scale), int(zp), dtype
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.scale}, {self.zp}, {self.dtype})"
+
+
+class Quantize(_Cast):
     """quantize_per_tensor (float32 -> uint8/int8, the full range): the element-wise op "quant",
     fused with the float ops before it. Called as it is (a graph that kept it on ATen), torch's
     formula; the result in the input's memory order either way."""
 
     __name__ = "cpu_layout_quantize"
-
-    def __init__(self, scale: float, zp: int, dtype):
-        if dtype not in _RANGE:
-            raise ValueError(f"quantize: dtype must be uint8 or int8, got {dtype}")
-        self.scale, self.zp, self.dtype = float(scale), int(zp), dtype
-
-    def __repr__(self):
-        return f"Quantize({self.scale}, {self.zp}, {self.dtype})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quantize(x if x.dtype == torch.float32 else x.float(), self.scale, self.zp, self.dtype)
@@ -388,19 +392,11 @@ class Quantize:
         return _lower_cast(lowering, n, "quant", (self.scale, self.zp, *_RANGE[self.dtype]))
 
 
-class Dequantize:
+class Dequantize(_Cast):
     """dequantize_per_tensor (uint8/int8 -> float32): the element-wise op "dequant", fused
     with the float ops after it (see Quantize)."""
 
     __name__ = "cpu_layout_dequantize"
-
-    def __init__(self, scale: float, zp: int, dtype):
-        if dtype not in _RANGE:
-            raise ValueError(f"dequantize: dtype must be uint8 or int8, got {dtype}")
-        self.scale, self.zp, self.dtype = float(scale), int(zp), dtype
-
-    def __repr__(self):
-        return f"Dequantize({self.scale}, {self.zp}, {self.dtype})"
 
     def __call__(self, q: torch.Tensor) -> torch.Tensor:
         if q.dtype != self.dtype:
