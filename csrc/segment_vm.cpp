@@ -150,6 +150,38 @@ int64_t Run::expr() {
   return st[0];
 }
 
+// The problem fields the float and int8 conv instructions share (cl_conv_args and
+// cl_qconv_args name them alike): sizes from the input's, the spatial geometry from the
+// program, the output's spatial sizes computed, the post-ops' kinds and parameters.
+template <class Args>
+void fill_conv(Args& a, const int64_t* xsz, int64_t oc, int64_t groups, int64_t ic, int64_t nsp, const int64_t* k,
+               const int64_t* s, const int64_t* pd, const int64_t* dl, int64_t npost, const int64_t* post,
+               const std::vector<double>& reals, const std::string& name) {
+  a.nsp = (int)nsp;
+  a.n = xsz[0];
+  a.ic = xsz[1];
+  a.oc = oc;
+  a.groups = groups;
+  if (a.ic != ic)
+    fail(name + ": input has " + std::to_string(a.ic) + " channels, the weight expects " + std::to_string(ic));
+  for (int64_t i = 0; i < nsp; ++i) {
+    a.in_sp[i] = xsz[2 + i];
+    a.k_sp[i] = k[i];
+    a.stride[i] = s[i];
+    a.pad_l[i] = a.pad_r[i] = pd[i];
+    a.dilation[i] = dl[i];
+    const int64_t span = dl[i] * (k[i] - 1) + 1;
+    if (xsz[2 + i] + 2 * pd[i] < span) fail(name + ": kernel larger than the padded input");
+    a.out_sp[i] = (xsz[2 + i] + 2 * pd[i] - span) / s[i] + 1;
+  }
+  a.n_post_ops = (int)npost;
+  for (int64_t i = 0; i < npost; ++i) {
+    a.post_ops[i].kind = (int)post[3 * i];
+    a.post_ops[i].alpha = (float)reals[(size_t)post[3 * i + 1]];
+    a.post_ops[i].beta = (float)reals[(size_t)post[3 * i + 2]];
+  }
+}
+
 // CONV out x w_const b_const(-1) nsp es dst_cl w_cl impl_rank oc groups ic k[nsp] s[nsp] p[nsp] d[nsp]
 //      npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
 void Run::conv() {
@@ -176,35 +208,13 @@ void Run::conv() {
   const int64_t* xsz = clw::sizes(*xs);
   cl_conv_args a;
   std::memset(&a, 0, sizeof a);
-  a.nsp = (int)nsp;
   a.dtype = a.bias_dtype = es == 4 ? CL_F32 : CL_BF16;
   a.has_bias = bi >= 0;
   a.src_cl = scl;
   a.dst_cl = (int)dst_cl;
   a.w_cl = (int)w_cl;
   a.impl_rank = (int)impl_rank;
-  a.n = xsz[0];
-  a.ic = xsz[1];
-  a.oc = oc;
-  a.groups = groups;
-  if (a.ic != ic)
-    fail(name + ": input has " + std::to_string(a.ic) + " channels, the weight expects " + std::to_string(ic));
-  for (int64_t i = 0; i < nsp; ++i) {
-    a.in_sp[i] = xsz[2 + i];
-    a.k_sp[i] = k[i];
-    a.stride[i] = s[i];
-    a.pad_l[i] = a.pad_r[i] = pd[i];
-    a.dilation[i] = dl[i];
-    const int64_t span = dl[i] * (k[i] - 1) + 1;
-    if (xsz[2 + i] + 2 * pd[i] < span) fail(name + ": kernel larger than the padded input");
-    a.out_sp[i] = (xsz[2 + i] + 2 * pd[i] - span) / s[i] + 1;
-  }
-  a.n_post_ops = (int)npost;
-  for (int64_t i = 0; i < npost; ++i) {
-    a.post_ops[i].kind = (int)post[3 * i];
-    a.post_ops[i].alpha = (float)p_.reals[(size_t)post[3 * i + 1]];
-    a.post_ops[i].beta = (float)p_.reals[(size_t)post[3 * i + 2]];
-  }
+  fill_conv(a, xsz, oc, groups, ic, nsp, k, s, pd, dl, npost, post, p_.reals, name);
   int64_t osz[5] = {a.n, a.oc, 0, 0, 0};
   for (int64_t i = 0; i < nsp; ++i) osz[2 + i] = a.out_sp[i];
   const int nd = (int)nsp + 2;
@@ -262,36 +272,15 @@ void Run::qconv() {
   const int64_t* xsz = linear ? lin_sz : sz0;
   cl_qconv_args a;
   std::memset(&a, 0, sizeof a);
-  a.nsp = (int)nsp;
   a.src_dt = CL_U8;
   a.dst_dt = des == 1 ? CL_U8 : CL_F32;
   a.has_bias = bi >= 0;
   a.src_cl = a.dst_cl = 1;
   a.src_zp = (int)x_zp;
   a.dst_zp = (int)out_zp;
-  a.n = xsz[0];
-  a.ic = xsz[1];
-  a.oc = oc;
-  a.groups = groups;
-  if (a.ic != ic)
-    fail(name + ": input has " + std::to_string(a.ic) + " channels, the weight expects " + std::to_string(ic));
+  fill_conv(a, xsz, oc, groups, ic, nsp, k, s, pd, dl, npost, post, p_.reals, name);
   int64_t osz[5] = {a.n, a.oc, 0, 0, 0};
-  for (int64_t i = 0; i < nsp; ++i) {
-    a.in_sp[i] = xsz[2 + i];
-    a.k_sp[i] = k[i];
-    a.stride[i] = s[i];
-    a.pad_l[i] = a.pad_r[i] = pd[i];
-    a.dilation[i] = dl[i];
-    const int64_t span = dl[i] * (k[i] - 1) + 1;
-    if (xsz[2 + i] + 2 * pd[i] < span) fail(name + ": kernel larger than the padded input");
-    osz[2 + i] = a.out_sp[i] = (xsz[2 + i] + 2 * pd[i] - span) / s[i] + 1;
-  }
-  a.n_post_ops = (int)npost;
-  for (int64_t i = 0; i < npost; ++i) {
-    a.post_ops[i].kind = (int)post[3 * i];
-    a.post_ops[i].alpha = (float)p_.reals[(size_t)post[3 * i + 1]];
-    a.post_ops[i].beta = (float)p_.reals[(size_t)post[3 * i + 2]];
-  }
+  for (int64_t i = 0; i < nsp; ++i) osz[2 + i] = a.out_sp[i];
   a.sum_scale = (float)sum_scale;
   a.sum_zp = (int)sum_zp;
   int nd = (int)nsp + 2;

@@ -829,7 +829,8 @@ def test_op_table_entries_are_whole():
         assert not seen & set(op.aten), f"{name}: an ATen op lowered to two element-wise ops"
         seen |= set(op.aten)
         args = [f"in{i}" for i in range(op.arity)]
-        params = {"pow": (2.5,)}.get(name, ())  # pow has no default exponent
+        # pow has no default exponent, (de)quantization no default scale
+        params = {"pow": (2.5,), "dequant": (0.1, 3), "quant": (0.1, 3, 0, 255)}.get(name, ())
         defaults = expr.Op(name, tuple(expr.Load(i) for i in range(op.arity)), params).params
         code = op.cpp.format(*args) if isinstance(op.cpp, str) else op.cpp(args, defaults)
         assert all(a in code for a in args), (name, code)
