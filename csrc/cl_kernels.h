@@ -37,12 +37,11 @@ template <> inline float cvt<float>(float v) { return v; }
 template <> inline uint8_t cvt<uint8_t>(float v) { return (uint8_t)(int)v; }
 template <> inline int8_t cvt<int8_t>(float v) { return (int8_t)(int)v; }
 // quantize_per_tensor's value: round half to even (adding and subtracting 1.5 * 2^23
-// rounds any |t| < 2^22, and vectorises where nearbyint may not), plus the zero point,
+// rounds any |t| < 2^22, and vectorises where nearbyint may not; a larger |t| comes out
+// near itself, far outside [lo, hi], where the clamp makes it exact), plus the zero point,
 // clamped to [lo, hi]; a NaN becomes lo (torch's cast of NaN to uint8 is undefined).
 static inline float quant(float x, float inv_scale, float zp, float lo, float hi) {
-  float t = x * inv_scale;
-  t = t > -4194304.f ? t : -4194304.f;
-  t = t < 4194304.f ? t : 4194304.f;
+  const float t = x * inv_scale;
   float v = ((t + 12582912.f) - 12582912.f) + zp;
   v = v >= lo ? v : lo;
   return v <= hi ? v : hi;
@@ -79,6 +78,17 @@ static inline void narrow(bf16* d, const float* s, int64_t n) {
 #endif
 #pragma omp simd
   for (int64_t i = j; i < n; ++i) d[i] = cvt<bf16>(s[i]);
+}
+// n floats, already rounded and clamped by cl::quant, to uint8/int8: a loop over floats
+// alone, which vectorises where a loop mixing 1- and 4-byte loads and stores did not
+// (dequantize -> BN -> ReLU -> quantize over 256x56x56: 0.70 ns an element in one loop).
+static inline void narrow(uint8_t* d, const float* s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = (uint8_t)(int)s[i];
+}
+static inline void narrow(int8_t* d, const float* s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = (int8_t)(int)s[i];
 }
 // NaN-propagating max/min, like torch.maximum / clamp, written without short-circuits:
 // `(a != a || a > b) ? a : b` made GCC branch per element where a loop stayed scalar
