@@ -230,6 +230,8 @@ def test_a_pt2e_model_runs_its_convs_in_int8(quantized_net, cpp, mode, strict_co
     members = [m for n in graph.nodes if isinstance(n, ir.Segment) for m in n.members]
     kinds = [type(n.target).__name__ for n in top + [m for m in members if isinstance(m, ir.Aten)]]
     assert kinds.count("QConv") == 8, kinds
+    calls = [n.target for n in top + [m for m in members if isinstance(m, ir.Aten)]]
+    assert sum("add" in c.post_ops for c in calls if type(c).__name__ == "QConv") == 2  # both residuals fused
     assert kinds.count("QMaxPool") == 1 and kinds.count("QCat") == 1 and kinds.count("QLinear") == 1
     if cpp:
         assert not [n for n in top if type(n.target).__name__ in ("QConv", "QMaxPool", "QCat")]

@@ -4,21 +4,21 @@ A graph from `convert_pt2e` (torchao's `X86InductorQuantizer`, static) is
 float ATen ops between `quantized_decomposed` quantize/dequantize nodes. This
 pass runs before lowering and replaces
 
-    dequantize_per_tensor(xq) -> convolution(., dequantize_per_channel(wq)) [-> add(., dequantize_per_tensor(rq))]
-        [-> activation] [-> quantize_per_tensor]
+    dequantize(x) -> convolution(., dequantize_per_channel(w)) [-> add(., dequantize(r))]
+        [-> activation] [-> quantize]                                        QConv
+    addmm(bias, [view](dequantize(x)), t(dequantize_per_channel(w))) [-> view]
+        [-> activation] [-> quantize]                                        QLinear
+    dequantize(q) -> max_pool2d -> quantize (one scale and zero point)       QMaxPool
+    cat(dequantize(q_i), ...) -> quantize (one scale and zero point)         QCat
 
-with one `QConv` call on the uint8/int8 tensors (csrc/qconv.cpp), and
-
-    dequantize_per_tensor(q) -> max_pool2d -> quantize_per_tensor (same scale and zero point)
-    cat(dequantize_per_tensor(q_i), ...) -> quantize_per_tensor (one scale and zero point)
-    addmm(bias, dequantize(x), t(dequantize_per_channel(w))) [-> activation] [-> quantize]
-
-with the max pool (oneDNN's int8 pooling) or the cat on the int8 tensors themselves. The calls' outputs are channels-last, which
-their fake values say, so the planner sees int8 tensors flow between convs
-without copies. What does not match (a narrowed quantization range, a weight
-that is not module state, autocast around the graph, per-channel activation
-scales) stays as it is and runs as ATen ops, correct and slower; each such
-pattern is named once under CPU_LAYOUT_LOG=plan.
+with calls on the uint8/int8 tensors (quant/ops.py), and every other quantize or
+dequantize with Quantize/Dequantize, which lower to element-wise ops that fuse
+with their float neighbours. The calls' outputs are channels-last, which their
+fake values say (refreshed downstream), so the planner sees int8 tensors flow
+between them without copies. What does not match (a narrowed quantization range,
+a weight that is not module state, autocast around the graph, per-channel
+activation scales) stays as it is and runs as ATen ops, correct and slower;
+CPU_LAYOUT_LOG=plan counts what was rewritten and what was left.
 """
 from __future__ import annotations
 
@@ -159,36 +159,19 @@ class _Rewriter:
             return v * nsp if len(v) == 1 else v
 
         # Follow the conv's single-user chain: [add(dequantized residual)] [activation] [quantize].
-        chain, post_ops, residual = [c], [], None
-        cur = c
-        nxt = self.only_user(cur)
-        if nxt is not None and nxt.target is aten.add.Tensor and not nxt.kwargs.get("alpha", 1) != 1:
-            other = nxt.args[1] if nxt.args[0] is cur else nxt.args[0]
-            r = self.dq_tensor(other) if other is not cur else None
-            if r is not None:
-                tail = self.only_user(nxt)
-                act = self.activation(tail) if tail is not None else None
-                q_node = self.only_user(tail) if act is not None else tail
-                q = self.q_tensor(q_node) if q_node is not None else None
-                if q is not None and q[2] == r.dtype:
-                    residual = r
-                    chain.append(nxt)
-                    post_ops.append("add")
-                    cur = nxt
-                    nxt = tail
-        if nxt is not None:
-            act = self.activation(nxt)
-            if act is not None:
-                chain.append(nxt)
-                post_ops.append(act)
-                cur = nxt
-                nxt = self.only_user(cur)
-        q = self.q_tensor(nxt) if nxt is not None else None
-        if q is not None:
-            out_scale, out_zp, out_dtype = q
-            last = nxt
-        else:
-            out_scale, out_zp, out_dtype, last = 1.0, 0, torch.float32, cur
+        # The add is fused (oneDNN's sum into the output) only when a quantize of the residual's
+        # dtype ends the chain.
+        start, residual, post_ops = c, None, []
+        add = self.only_user(c)
+        if add is not None and add.target is aten.add.Tensor and add.kwargs.get("alpha", 1) == 1:
+            other = add.args[1] if add.args[0] is c else add.args[0]
+            r = self.dq_tensor(other) if other is not c else None
+            q_after = self.tail(add)[1] if r is not None else None
+            if q_after is not None and q_after[2] == r.dtype:
+                start, residual, post_ops = add, r, ["add"]
+        more, q, last = self.tail(start)
+        post_ops += more
+        out_scale, out_zp, out_dtype = q if q is not None else (1.0, 0, torch.float32)
         call = QConv(per_dim(stride), per_dim(padding), per_dim(dilation), groups, dq.scale, dq.zp, dq.dtype,
                      out_dtype, out_scale, out_zp, post_ops,
                      residual.scale if residual else 1.0, residual.zp if residual else 0)
