@@ -323,11 +323,19 @@ class OpenVINOCompiled(Compiled):
         return {k: v for k, v in per.items() if v > 0}
 
 
-def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOCompiled:
+def _require(module: str, what: str) -> None:
+    """NotSupportedYet(what) when `module` does not import (missing, or its native
+    libraries do not load)."""
+    import importlib
+
     try:
-        import openvino  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - missing, or its native libraries do not load
-        raise NotSupportedYet(f"openvino is not importable ({type(exc).__name__}: {exc})") from exc
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001
+        raise NotSupportedYet(f"{what} ({type(exc).__name__}: {exc})") from exc
+
+
+def _openvino(model: torch.nn.Module, dtype: str, dynamic: bool) -> OpenVINOCompiled:
+    _require("openvino", "openvino is not importable")
     m = prepare_model(model, "float32", False)
     return OpenVINOCompiled("openvino", dtype, dynamic, "default", False, m, fn=m)
 
@@ -383,15 +391,8 @@ def compile_openvino_int8(model: torch.nn.Module, calibration: Sequence[torch.Te
     `calibration` batches, each shaped like the input it will run): see
     OpenVINOInt8Compiled. Static shapes. NotSupportedYet when openvino or nncf
     does not import."""
-    try:
-        import openvino  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        raise NotSupportedYet(f"openvino is not importable ({type(exc).__name__}: {exc})") from exc
-    try:
-        import nncf  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        raise NotSupportedYet(f"OpenVINO INT8 needs nncf (pip install nncf; "
-                              f"{type(exc).__name__}: {exc})") from exc
+    _require("openvino", "openvino is not importable")
+    _require("nncf", "OpenVINO INT8 needs nncf (pip install nncf)")
     if not calibration:
         raise ValueError("compile_openvino_int8 needs calibration batches")
     m = prepare_model(model, "float32", False)

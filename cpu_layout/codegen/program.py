@@ -19,7 +19,7 @@ import torch
 from cpu_layout import build, config, ir, ops
 from cpu_layout import layout as L
 from cpu_layout.codegen import sizes as S
-from cpu_layout.op_table import RESHAPE_OPS, float_tensor, permutation_of, pool_args, shape_exprs
+from cpu_layout.op_table import RESHAPE_OPS, permutation_of, pool_args, shape_exprs
 from cpu_layout.reads import read_conversion
 
 aten = torch.ops.aten

@@ -14,19 +14,17 @@ dequantized floats).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
 from cpu_layout._native import ffi, lib
-from cpu_layout.ops import POST_OPS, _weight_serial, content_version, state_epoch
+from cpu_layout.op_table import pool_args
+from cpu_layout.ops import (POST_OPS, _weight_serial, content_version, conv_out_spatial, empty_dense,
+                            is_channels_last_dense, to_dense)
 
 _DT = {torch.uint8: lib.CL_U8, torch.int8: lib.CL_S8, torch.float32: lib.CL_F32, torch.bfloat16: lib.CL_BF16}
 _RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
-_CL_FORMAT = {3: None, 4: torch.channels_last, 5: torch.channels_last_3d}
-
-# Activation post-ops an int8 conv fuses (ops.POST_OPS names); "add" is the residual.
-ACTIVATIONS = ("relu", "relu6", "clamp", "hardswish", "silu", "gelu", "gelu_tanh", "sigmoid")
 
 
 def full_range(dtype, qmin, qmax) -> bool:
@@ -51,31 +49,19 @@ COPIES = {"count": 0}
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:
-    """t dense with channels innermost (a copy only when it is not)."""
-    if t.dim() == 3:
-        if t.transpose(1, 2).is_contiguous():
-            return t
-        COPIES["count"] += 1
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    fmt = _CL_FORMAT[t.dim()]
-    if t.is_contiguous(memory_format=fmt):
+    """t dense with channels innermost (a copy, counted, only when it is not)."""
+    if is_channels_last_dense(t):
         return t
     COPIES["count"] += 1
-    return t.contiguous(memory_format=fmt)
-
-
-def empty_channels_last(size, dtype) -> torch.Tensor:
-    if len(size) == 3:
-        n, c, w = size
-        return torch.empty((n, w, c), dtype=dtype).transpose(1, 2)
-    return torch.empty(size, dtype=dtype, memory_format=_CL_FORMAT[len(size)])
+    return to_dense(t, True)
 
 
 class QConv:
     """One int8 convolution with its static arguments (see the module docstring).
 
     x_scale/x_zp: the input's quantization; out_dtype uint8/int8 with out_scale/out_zp,
-    or float32 (dequantized output); post_ops: names from ACTIVATIONS, ("clamp", lo, hi),
+    or float32 (dequantized output); post_ops: ops.POST_OPS names (the activations
+    quant.rewrite fuses), ("clamp", lo, hi),
     and at most one "add" (then residual_scale/residual_zp describe the residual, which
     has the output's dtype)."""
 
@@ -113,15 +99,13 @@ class QConv:
         a.src_cl = a.dst_cl = 1
         a.src_zp, a.dst_zp = self.x_zp, self.out_zp
         a.n, a.ic, a.oc, a.groups = x.shape[0], x.shape[1], w.shape[0], self.groups
-        out = [x.shape[0], w.shape[0]]
+        out = self.out_size(x.shape, w.shape)
+        if min(out[2:]) <= 0:
+            raise ValueError(f"int8 conv: kernel larger than the padded input {tuple(x.shape)}")
         for i in range(self.nsp):
-            k, s, p, d = w.shape[2 + i], self.stride[i], self.padding[i], self.dilation[i]
-            a.in_sp[i], a.k_sp[i], a.stride[i], a.pad_l[i], a.pad_r[i], a.dilation[i] = x.shape[2 + i], k, s, p, p, d
-            o = (x.shape[2 + i] + 2 * p - d * (k - 1) - 1) // s + 1
-            if o <= 0:
-                raise ValueError(f"int8 conv: kernel larger than the padded input {tuple(x.shape)}")
-            a.out_sp[i] = o
-            out.append(o)
+            a.in_sp[i], a.k_sp[i], a.out_sp[i] = x.shape[2 + i], w.shape[2 + i], out[2 + i]
+            a.stride[i], a.pad_l[i], a.pad_r[i], a.dilation[i] = (self.stride[i], self.padding[i], self.padding[i],
+                                                                  self.dilation[i])
         n_post = 0
         for p in self.post_ops:
             name, params = (p, ()) if isinstance(p, str) else (p[0], p[1:])
@@ -132,7 +116,12 @@ class QConv:
             n_post += 1
         a.n_post_ops = n_post
         a.sum_scale, a.sum_zp = self.residual_scale, self.residual_zp
-        return a, tuple(out)
+        return a, out
+
+    def out_size(self, x_size, w_size) -> tuple:
+        """The output's size (torch's formula: ops.conv_out_spatial), symbolic sizes too."""
+        sp = conv_out_spatial(x_size[2:], w_size[2:], self.stride, self.padding, self.padding, self.dilation)
+        return (x_size[0], w_size[0], *sp)
 
     def reference(self, x, w, w_scales, w_zps, bias, residual=None):
         """The eager computation: dequantize, conv, post-ops, quantize (the fallback)."""
@@ -185,7 +174,7 @@ class QConv:
                                  f"{w.shape[1] * self.groups}")
             entry = self._args[key] = self._make_args(x, w, bias is not None)
         args, out_size = entry
-        out = empty_channels_last(out_size, self.out_dtype)
+        out = empty_dense(out_size, self.out_dtype, True)
         res_addr = 0
         if self.has_residual:
             if residual is None or residual.dtype != self.out_dtype or tuple(residual.shape) != out_size:
@@ -201,11 +190,7 @@ class QConv:
 
     def fake(self, x, w, *_rest):
         """The result's metadata for fake (meta) inputs: what the graph's fake values say."""
-        size = [x.shape[0], w.shape[0]]
-        for i in range(self.nsp):
-            k, s, p, d = w.shape[2 + i], self.stride[i], self.padding[i], self.dilation[i]
-            size.append((x.shape[2 + i] + 2 * p - d * (k - 1) - 1) // s + 1)
-        return empty_channels_last(size, self.out_dtype)
+        return empty_dense(self.out_size(x.shape, w.shape), self.out_dtype, True)
 
     def impl_name(self, x: torch.Tensor, w: torch.Tensor, has_bias: bool = True) -> str:
         """oneDNN's implementation for this conv at x's size ("ref" would be a bug)."""
@@ -240,22 +225,18 @@ class SymmetricWeight:
 
 
 class QMaxPool:
-    """max_pool{1,2,3}d of a uint8/int8 tensor on oneDNN (csrc/qpool.cpp): the max of
-    quantized values is the quantized max, so it needs no scale. Keeps its input's
-    layout when that is dense channels-last or contiguous (else channels-last)."""
+    """max_pool2d of a uint8/int8 tensor on oneDNN (csrc/qpool.cpp): the max of quantized
+    values is the quantized max, so it needs no scale. Keeps its input's layout when that
+    is dense channels-last or contiguous (else channels-last). Arguments as ATen's
+    max_pool2d takes them (op_table.pool_args reads them)."""
 
     __name__ = "cpu_layout_qmax_pool"
 
     def __init__(self, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
-        n = len(kernel)
-        self.k = tuple(int(v) for v in kernel)
-        self.s = tuple(int(v) for v in stride) if stride else self.k
-        pad = (padding,) * n if isinstance(padding, int) else tuple(padding)
-        dil = (dilation,) * n if isinstance(dilation, int) else tuple(dilation)
-        self.p = pad * n if len(pad) == 1 else tuple(int(v) for v in pad)
-        self.d = dil * n if len(dil) == 1 else tuple(int(v) for v in dil)
-        self.s = self.s * n if len(self.s) == 1 else self.s
-        self.ceil = bool(ceil_mode)
+        a = pool_args(torch.ops.aten.max_pool2d.default, (None, kernel, stride, padding, dilation, ceil_mode))
+        self.k, self.s, self.p, self.d = (tuple(int(v) for v in t) for t in (a.kernel, a.stride, a.padding,
+                                                                              a.dilation))
+        self.ceil = a.ceil_mode
 
     def out_size(self, size):
         out = list(size[:2])
@@ -268,26 +249,25 @@ class QMaxPool:
             out.append(o)
         return tuple(out)
 
-    def _layout_cl(self, x) -> bool:
-        return not x.is_contiguous() or x.dim() == 3
+    @staticmethod
+    def _layout_cl(x) -> bool:
+        return not x.is_contiguous()
 
     def fake(self, x):
         """The result's metadata for a fake input (ATen's float pool gives the sizes)."""
-        y = torch.ops.aten.max_pool2d.default(torch.empty(x.shape), self.k, self.s, self.p, self.d, self.ceil) \
-            if x.dim() == 4 else None
-        size = tuple(y.shape) if y is not None else self.out_size(tuple(x.shape))
-        return empty_channels_last(size, x.dtype) if self._layout_cl(x) else torch.empty(size, dtype=x.dtype)
+        y = torch.ops.aten.max_pool2d.default(torch.empty(x.shape), self.k, self.s, self.p, self.d, self.ceil)
+        return empty_dense(tuple(y.shape), x.dtype, self._layout_cl(x))
 
     def __call__(self, x: torch.Tensor, *_args) -> torch.Tensor:
         if x.dtype not in _RANGE:
             raise TypeError(f"int8 max pool: expected uint8 or int8, got {x.dtype}")
         nsp = x.dim() - 2
-        if nsp != len(self.k):
-            raise ValueError(f"int8 max pool: a {len(self.k)}-d pool got a {x.dim()}-d input")
+        if nsp != 2:
+            raise ValueError(f"int8 max pool: a 2-d pool got a {x.dim()}-d input")
         cl = self._layout_cl(x)
         x = channels_last(x) if cl else x
         size = self.out_size(tuple(x.shape))
-        out = empty_channels_last(size, x.dtype) if cl else torch.empty(size, dtype=x.dtype)
+        out = empty_dense(size, x.dtype, cl)
         if out.numel() == 0:
             return out
         pad_r = [(size[2 + i] - 1) * self.s[i] + self.d[i] * (self.k[i] - 1) + 1 - x.shape[2 + i] - self.p[i]

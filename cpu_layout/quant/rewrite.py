@@ -27,9 +27,11 @@ import sys
 from typing import Optional
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from cpu_layout import config
+from cpu_layout.runtime import leaves
 from cpu_layout.quant.ops import (Dequantize, QCat, QConv, QLinear, QMaxPool, Quantize, SymmetricWeight,
                                    full_range)
 
@@ -135,6 +137,15 @@ class _Rewriter:
 
     # ---- rewrites --------------------------------------------------------------
 
+    def call(self, target, args, fallback=None) -> Node:
+        """A call of `target` at the insertion point, with its fake value."""
+        n = self.g.call_function(target, args)
+        n.meta["val"] = _fake_value(target, args, {}, fallback)
+        return n
+
+    def symmetric_weight(self, name: str, wq: Node, zps: Node) -> Node:
+        return self.call(SymmetricWeight(name), (wq, zps), _val(wq))
+
     def conv(self, c: Node) -> bool:
         x, w, b, stride, padding, dilation, transposed, _opad, groups = c.args
         dq = self.dq_tensor(x)
@@ -177,12 +188,8 @@ class _Rewriter:
                      residual.scale if residual else 1.0, residual.zp if residual else 0)
         wq, scales, zps = weight
         with self.g.inserting_before(last):
-            w_sym = self.g.call_function(SymmetricWeight(c.name), (wq, zps))
-            w_sym.meta["val"] = _val(wq)
-            args = (dq.src, w_sym, scales, b) + ((residual.src,) if residual else ())
-            new = self.g.call_function(call, args)
-        lv = _val(last)
-        new.meta["val"] = _channels_last_like(lv, out_dtype)
+            w_sym = self.symmetric_weight(c.name, wq, zps)
+            new = self.call(call, (dq.src, w_sym, scales, b) + ((residual.src,) if residual else ()), _val(last))
         last.replace_all_uses_with(new)
         return True
 
@@ -227,25 +234,14 @@ class _Rewriter:
         out_scale, out_zp, out_dtype = q if q is not None else (1.0, 0, torch.float32)
         call = QLinear(dq.scale, dq.zp, dq.dtype, out_dtype, out_scale, out_zp, post_ops)
         wq, scales, zps = weight
-        fake = getattr(_val(dq.src), "fake_mode", None)
-        if fake is None:
+        if getattr(_val(dq.src), "fake_mode", None) is None:
             return False
         with self.g.inserting_before(last):
-            src = dq.src
-            if shape is not None:
-                src = self.g.call_function(aten.view.default, (dq.src, shape))  # a view the plan lays out
-                with fake:
-                    src.meta["val"] = aten.view.default(_val(dq.src), shape)
-            w_sym = self.g.call_function(SymmetricWeight(mm.name), (wq, zps))
-            w_sym.meta["val"] = _val(wq)
-            new = self.g.call_function(call, (src, w_sym, scales, b))
-            with fake:
-                new.meta["val"] = call.fake(_val(src), _val(wq))
+            # The input view on the int8 tensor: a view the plan lays out.
+            src = dq.src if shape is None else self.call(aten.view.default, (dq.src, shape))
+            new = self.call(call, (src, self.symmetric_weight(mm.name, wq, zps), scales, b))
             if out_view is not None:
-                shaped = self.g.call_function(aten.view.default, (new, out_view))
-                with fake:
-                    shaped.meta["val"] = aten.view.default(new.meta["val"], out_view)
-                new = shaped
+                new = self.call(aten.view.default, (new, out_view))
         last.replace_all_uses_with(new)
         return True
 
@@ -261,12 +257,8 @@ class _Rewriter:
         q = self.q_tensor(q_node) if q_node is not None else None
         if q != (dq.scale, dq.zp, dq.dtype):
             return False
-        pool = QMaxPool(*p.args[1:], **p.kwargs)
         with self.g.inserting_before(q_node):
-            new = self.g.call_function(pool, (dq.src,))
-        sv = _val(dq.src)
-        layout_like = _val(getter) if not sv.is_contiguous() else None
-        new.meta["val"] = _channels_last_like(_val(q_node), dq.dtype) if layout_like is not None else _val(q_node)
+            new = self.call(QMaxPool(*p.args[1:], **p.kwargs), (dq.src,), _val(q_node))
         q_node.replace_all_uses_with(new)
         return True
 
@@ -284,13 +276,10 @@ class _Rewriter:
             return False
         dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
         srcs = [d.src for d in dqs]
-        vals = [_val(s) for s in srcs]
-        if getattr(vals[0], "fake_mode", None) is None:
+        if getattr(_val(srcs[0]), "fake_mode", None) is None:
             return False
         with self.g.inserting_before(q_node):
-            new = self.g.call_function(QCat(dim), (srcs,))
-        v = _val(q_node)
-        new.meta["val"] = _channels_last_like(v, v.dtype) if v.dim() >= 3 else v
+            new = self.call(QCat(dim), (srcs,))
         q_node.replace_all_uses_with(new)
         return True
 
@@ -348,17 +337,15 @@ class _Rewriter:
         return changed + casts
 
 
-def _channels_last_like(v, dtype):
-    """A fake tensor of v's size and `dtype`, dense channels-last: what QConv returns."""
-    fake = getattr(v, "fake_mode", None)
-    if fake is None:
-        return v
-    with fake:
-        if v.dim() == 3:
-            n, c, w = v.shape
-            return torch.empty((n, w, c), dtype=dtype).transpose(1, 2)
-        fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
-        return torch.empty(v.shape, dtype=dtype, memory_format=fmt)
+def _fake_value(target, args, kwargs, fallback=None):
+    """What a call of `target` returns, on its arguments' fake values (the call's own `fake`
+    where it has one: quant/ops.py's calls run C code); `fallback` outside a fake mode."""
+    args, kwargs = torch.fx.node.map_arg((args, kwargs), _val)
+    mode = detect_fake_mode([t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+    if mode is None:
+        return fallback
+    with mode:
+        return getattr(target, "fake", target)(*args, **kwargs)
 
 
 def _refresh_fake_values(g) -> None:
@@ -367,33 +354,20 @@ def _refresh_fake_values(g) -> None:
     and what EAGER-rule ops are handed, and stale contiguous ones made it convert every int8
     tensor to NCHW and back. Graph outputs keep the fake values they had (the user's eager
     model gives them their strides); a node whose value cannot be recomputed keeps its own."""
-    from torch._guards import detect_fake_mode
-
-    vals = [n.meta.get("val") for n in g.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if mode is None:
-        return
     out = next(n for n in reversed(g.nodes) if n.op == "output")
     keep = set()
     torch.fx.node.map_arg(out.args, keep.add)
     started = False
-
-    def v(a):
-        return a.meta.get("val") if isinstance(a, Node) else a
-
-    with mode:
-        for n in g.nodes:
-            if n.op != "call_function":
-                continue
-            fake = getattr(n.target, "fake", None)
-            started = started or fake is not None
-            if not started or n in keep:
-                continue
-            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), v)
-            try:
-                n.meta["val"] = fake(*args, **kwargs) if fake is not None else n.target(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - keep the old value: stale strides cost copies, never values
-                pass
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        started = started or hasattr(n.target, "fake")
+        if not started or n in keep:
+            continue
+        try:
+            n.meta["val"] = _fake_value(n.target, n.args, n.kwargs, n.meta.get("val"))
+        except Exception:  # noqa: BLE001 - keep the old value: stale strides cost copies, never values
+            pass
 
 
 def has_quantized_ops(gm: GraphModule) -> bool:
