@@ -81,6 +81,79 @@ inline dnnl::algorithm eltwise_alg(int kind, float &alpha, float &beta) {
     throw std::invalid_argument("not an eltwise post-op");
 }
 
+// ---- the geometry cl_conv_args and cl_qconv_args share (fields named alike) ----
+
+// Throws std::invalid_argument(who + reason) unless the geometry is one oneDNN can take:
+// rank, positive sizes, channels divisible by groups, and output sizes that follow
+// from input, kernel, stride, padding and dilation.
+template <class A>
+void validate_geometry(const A &a, const std::string &who) {
+    auto fail = [&](const std::string &m) { throw std::invalid_argument(who + m); };
+    if (a.nsp < 1 || a.nsp > CL_MAX_SPATIAL) fail("spatial rank must be 1, 2 or 3");
+    if (a.n <= 0 || a.ic <= 0 || a.oc <= 0) fail("batch and channel counts must be positive");
+    if (a.groups <= 0) fail("groups must be positive");
+    if (a.ic % a.groups || a.oc % a.groups) fail("channels must be divisible by groups");
+    for (int i = 0; i < a.nsp; ++i) {
+        if (a.in_sp[i] <= 0 || a.k_sp[i] <= 0 || a.out_sp[i] <= 0) fail("spatial sizes must be positive");
+        if (a.stride[i] <= 0) fail("stride must be positive");
+        if (a.dilation[i] <= 0) fail("dilation must be positive");
+        if (a.pad_l[i] < 0 || a.pad_r[i] < 0) fail("padding must be non-negative");
+        const long long span = a.dilation[i] * (a.k_sp[i] - 1) + 1;
+        const long long padded = a.in_sp[i] + a.pad_l[i] + a.pad_r[i];
+        if (padded < span || (padded - span) / a.stride[i] + 1 != a.out_sp[i])
+            fail("output size " + std::to_string(a.out_sp[i]) + " in spatial dim " + std::to_string(i) +
+                 " does not follow from input, kernel, stride, padding and dilation");
+    }
+    if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) fail("too many post-ops");
+}
+
+// The geometry and post-ops of `in` into the zeroed key problem `k` (unused spatial
+// slots and post-ops stay zero, so equal problems compare equal bytewise).
+template <class A>
+void copy_geometry(A &k, const A &in) {
+    k.nsp = in.nsp;
+    k.n = in.n;
+    k.ic = in.ic;
+    k.oc = in.oc;
+    k.groups = in.groups;
+    for (int i = 0; i < in.nsp && i < CL_MAX_SPATIAL; ++i) {
+        k.in_sp[i] = in.in_sp[i];
+        k.k_sp[i] = in.k_sp[i];
+        k.out_sp[i] = in.out_sp[i];
+        k.stride[i] = in.stride[i];
+        k.pad_l[i] = in.pad_l[i];
+        k.pad_r[i] = in.pad_r[i];
+        k.dilation[i] = in.dilation[i];
+    }
+    k.n_post_ops = in.n_post_ops;
+    for (int i = 0; i < in.n_post_ops && i < CL_MAX_POST_OPS; ++i) k.post_ops[i] = in.post_ops[i];
+}
+
+// oneDNN's dims of a convolution problem: activations [n][c][sp...], weights
+// [oc][ic][k...] or [g][oc/g][ic/g][k...], strides, dilations (oneDNN counts them from
+// 0) and paddings.
+struct ConvDims {
+    dnnl::memory::dims src, dst, wei, strides, dil, pad_l, pad_r;
+};
+template <class A>
+ConvDims conv_dims(const A &a) {
+    ConvDims d;
+    d.src = {a.n, a.ic};
+    d.dst = {a.n, a.oc};
+    if (a.groups > 1) d.wei = {a.groups, a.oc / a.groups, a.ic / a.groups};
+    else d.wei = {a.oc, a.ic};
+    for (int i = 0; i < a.nsp; ++i) {
+        d.src.push_back(a.in_sp[i]);
+        d.dst.push_back(a.out_sp[i]);
+        d.wei.push_back(a.k_sp[i]);
+        d.strides.push_back(a.stride[i]);
+        d.dil.push_back(a.dilation[i] - 1);
+        d.pad_l.push_back(a.pad_l[i]);
+        d.pad_r.push_back(a.pad_r[i]);
+    }
+    return d;
+}
+
 // Hash of a problem struct whose every byte is defined (zero padding): multiply-xorshift
 // over its 64-bit words in four independent lanes (one serial chain over 84 words cost
 // 0.13 us a call).

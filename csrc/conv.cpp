@@ -19,7 +19,6 @@ static_assert(DNNL_VERSION_MAJOR == 3 && DNNL_VERSION_MINOR == 2,
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -113,7 +112,6 @@ Key make_key(const cl_conv_args &in) {
     Key k;
     std::memset(&k.a, 0, sizeof(k.a));
     cl_conv_args &a = k.a;
-    a.nsp = in.nsp;
     a.dtype = in.dtype;
     a.has_bias = in.has_bias ? 1 : 0;
     a.bias_dtype = in.has_bias ? in.bias_dtype : 0;
@@ -121,25 +119,7 @@ Key make_key(const cl_conv_args &in) {
     a.dst_cl = in.dst_cl ? 1 : 0;
     a.w_cl = in.w_cl ? 1 : 0;
     a.impl_rank = in.impl_rank;
-    a.n = in.n;
-    a.ic = in.ic;
-    a.oc = in.oc;
-    a.groups = in.groups;
-    for (int i = 0; i < in.nsp && i < CL_MAX_SPATIAL; ++i) {
-        a.in_sp[i] = in.in_sp[i];
-        a.k_sp[i] = in.k_sp[i];
-        a.out_sp[i] = in.out_sp[i];
-        a.stride[i] = in.stride[i];
-        a.pad_l[i] = in.pad_l[i];
-        a.pad_r[i] = in.pad_r[i];
-        a.dilation[i] = in.dilation[i];
-    }
-    a.n_post_ops = in.n_post_ops;
-    for (int i = 0; i < in.n_post_ops && i < CL_MAX_POST_OPS; ++i) {
-        a.post_ops[i].kind = in.post_ops[i].kind;
-        a.post_ops[i].alpha = in.post_ops[i].alpha;
-        a.post_ops[i].beta = in.post_ops[i].beta;
-    }
+    cldnn::copy_geometry(a, in);
     // With every spatial size 1 (squeeze-excitation and classifier convs), NCHW
     // and NHWC address memory identically; NHWC runs oneDNN's brgemm 1x1
     // kernel, NCHW its GEMM, which in a forward (weights coming from memory)
@@ -152,25 +132,10 @@ Key make_key(const cl_conv_args &in) {
 
 void validate(const cl_conv_args &a) {
     auto fail = [](const std::string &m) { throw std::invalid_argument(m); };
-    if (a.nsp < 1 || a.nsp > CL_MAX_SPATIAL) fail("spatial rank must be 1, 2 or 3");
+    cldnn::validate_geometry(a, "");
     if (a.dtype != CL_F32 && a.dtype != CL_BF16) fail("dtype must be float32 or bfloat16");
     if (a.has_bias && a.bias_dtype != CL_F32 && a.bias_dtype != CL_BF16)
         fail("bias dtype must be float32 or bfloat16");
-    if (a.n <= 0 || a.ic <= 0 || a.oc <= 0) fail("batch and channel counts must be positive");
-    if (a.groups <= 0) fail("groups must be positive");
-    if (a.ic % a.groups || a.oc % a.groups) fail("channels must be divisible by groups");
-    for (int i = 0; i < a.nsp; ++i) {
-        if (a.in_sp[i] <= 0 || a.k_sp[i] <= 0 || a.out_sp[i] <= 0)
-            fail("spatial sizes must be positive");
-        if (a.stride[i] <= 0) fail("stride must be positive");
-        if (a.dilation[i] <= 0) fail("dilation must be positive");
-        if (a.pad_l[i] < 0 || a.pad_r[i] < 0) fail("padding must be non-negative");
-        long long span = a.dilation[i] * (a.k_sp[i] - 1) + 1;
-        long long padded = a.in_sp[i] + a.pad_l[i] + a.pad_r[i];
-        if (padded < span || (padded - span) / a.stride[i] + 1 != a.out_sp[i])
-            fail("output size " + std::to_string(a.out_sp[i]) + " in spatial dim " + std::to_string(i) +
-                 " does not follow from input, kernel, stride, padding and dilation");
-    }
     if (a.impl_rank == CL_IMPL_WINOGRAD) {
         const std::string why = clwino::unsupported(a);
         if (!why.empty()) fail(why);
@@ -183,7 +148,6 @@ void validate(const cl_conv_args &a) {
     } else if (a.impl_rank < 0 || a.impl_rank > 8) {
         fail("impl_rank must be 0..8, CL_IMPL_WINOGRAD or CL_IMPL_MERGE_GROUPS + m");
     }
-    if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) fail("too many post-ops");
     for (int i = 0; i < a.n_post_ops; ++i) {
         int k = a.post_ops[i].kind;
         if (k < CL_PO_RELU || k > CL_PO_ADD) fail("unknown post-op kind " + std::to_string(k));
@@ -362,19 +326,9 @@ memory::desc act_md(const memory::dims &dims, dt d, int nsp, Fmt f) {
 dnnl::convolution_forward::primitive_desc make_pd(const cl_conv_args &a, dt compute, Fmt src_fmt,
                                                   Fmt dst_fmt, bool reject_ref, int sum_slot) {
     const int nsp = a.nsp;
-    const bool grouped = a.groups > 1;
-    memory::dims src_dims{a.n, a.ic}, dst_dims{a.n, a.oc}, wei_dims, strides, dil, pl, pr;
-    if (grouped) wei_dims = {a.groups, a.oc / a.groups, a.ic / a.groups};
-    else wei_dims = {a.oc, a.ic};
-    for (int i = 0; i < nsp; ++i) {
-        src_dims.push_back(a.in_sp[i]);
-        dst_dims.push_back(a.out_sp[i]);
-        wei_dims.push_back(a.k_sp[i]);
-        strides.push_back(a.stride[i]);
-        dil.push_back(a.dilation[i] - 1);  // oneDNN counts dilation from 0
-        pl.push_back(a.pad_l[i]);
-        pr.push_back(a.pad_r[i]);
-    }
+    const cldnn::ConvDims cd = cldnn::conv_dims(a);
+    const memory::dims &src_dims = cd.src, &dst_dims = cd.dst, &wei_dims = cd.wei, &strides = cd.strides,
+                       &dil = cd.dil, &pl = cd.pad_l, &pr = cd.pad_r;
     memory::desc src_md = act_md(src_dims, compute, nsp, src_fmt);
     memory::desc dst_md = act_md(dst_dims, compute, nsp, dst_fmt);
     memory::desc wei_md(wei_dims, compute, tag::any);
@@ -591,12 +545,7 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
     for (int i = 0; i < a.n_post_ops; ++i)
         if (a.post_ops[i].kind == CL_PO_ADD && i != sum_slot) e->add_slots.push_back(i);
 
-    const bool grouped = a.groups > 1;
-    memory::dims wei_dims;
-    if (grouped) wei_dims = {a.groups, a.oc / a.groups, a.ic / a.groups};
-    else wei_dims = {a.oc, a.ic};
-    for (int i = 0; i < a.nsp; ++i) wei_dims.push_back(a.k_sp[i]);
-    e->user_wei_md = memory::desc(wei_dims, data_dt, wei_tag(a.nsp, grouped, a.w_cl));
+    e->user_wei_md = memory::desc(cldnn::conv_dims(a).wei, data_dt, wei_tag(a.nsp, a.groups > 1, a.w_cl));
     e->user_src_md = memory::desc(e->src_md.get_dims(), data_dt, act_tag(a.nsp, scl));
     e->user_dst_md = memory::desc(e->dst_md.get_dims(), data_dt, act_tag(a.nsp, dcl));
     e->src_in.init(e->user_src_md, e->src_md, false);

@@ -15,12 +15,10 @@
 
 #include <cstdint>
 #include <cstring>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 extern "C" {
@@ -51,20 +49,9 @@ using cldnn::act_tag;
 
 void validate(const cl_qconv_args &a) {
     auto bad = [](const std::string &m) { throw std::invalid_argument("int8 conv: " + m); };
-    if (a.nsp < 1 || a.nsp > CL_MAX_SPATIAL) bad("spatial rank must be 1, 2 or 3");
+    cldnn::validate_geometry(a, "int8 conv: ");
     if (!is_int8(a.src_dt)) bad("src must be u8 or s8");
     qdt(a.dst_dt);
-    if (a.n <= 0 || a.ic <= 0 || a.oc <= 0 || a.groups <= 0) bad("sizes must be positive");
-    if (a.ic % a.groups || a.oc % a.groups) bad("channels not divisible by groups");
-    for (int i = 0; i < a.nsp; ++i) {
-        if (a.in_sp[i] <= 0 || a.k_sp[i] <= 0 || a.out_sp[i] <= 0 || a.stride[i] <= 0 || a.dilation[i] <= 0 ||
-            a.pad_l[i] < 0 || a.pad_r[i] < 0)
-            bad("spatial sizes, strides and dilations must be positive, padding non-negative");
-        const long long span = a.dilation[i] * (a.k_sp[i] - 1) + 1;
-        if ((a.in_sp[i] + a.pad_l[i] + a.pad_r[i] - span) / a.stride[i] + 1 != a.out_sp[i])
-            bad("output size does not match the input, kernel, stride and padding");
-    }
-    if (a.n_post_ops < 0 || a.n_post_ops > CL_MAX_POST_OPS) bad("too many post-ops");
     int adds = 0;
     for (int i = 0; i < a.n_post_ops; ++i) adds += a.post_ops[i].kind == CL_PO_ADD;
     if (adds > 1) bad("at most one residual add");
@@ -77,7 +64,6 @@ using Key = cldnn::Key<cl_qconv_args>;
 Key make_key(const cl_qconv_args &in) {
     Key k;
     std::memset(&k.a, 0, sizeof k.a);
-    k.a.nsp = in.nsp;
     k.a.src_dt = in.src_dt;
     k.a.dst_dt = in.dst_dt;
     k.a.has_bias = in.has_bias ? 1 : 0;
@@ -85,25 +71,9 @@ Key make_key(const cl_qconv_args &in) {
     k.a.dst_cl = in.dst_cl ? 1 : 0;
     k.a.src_zp = in.src_zp;
     k.a.dst_zp = in.dst_zp;
-    k.a.n = in.n;
-    k.a.ic = in.ic;
-    k.a.oc = in.oc;
-    k.a.groups = in.groups;
-    for (int i = 0; i < in.nsp && i < CL_MAX_SPATIAL; ++i) {
-        k.a.in_sp[i] = in.in_sp[i];
-        k.a.k_sp[i] = in.k_sp[i];
-        k.a.out_sp[i] = in.out_sp[i];
-        k.a.stride[i] = in.stride[i];
-        k.a.pad_l[i] = in.pad_l[i];
-        k.a.pad_r[i] = in.pad_r[i];
-        k.a.dilation[i] = in.dilation[i];
-    }
-    k.a.n_post_ops = in.n_post_ops;
+    cldnn::copy_geometry(k.a, in);
     bool has_sum = false;
-    for (int i = 0; i < in.n_post_ops && i < CL_MAX_POST_OPS; ++i) {
-        k.a.post_ops[i] = in.post_ops[i];
-        has_sum |= in.post_ops[i].kind == CL_PO_ADD;
-    }
+    for (int i = 0; i < k.a.n_post_ops && i < CL_MAX_POST_OPS; ++i) has_sum |= k.a.post_ops[i].kind == CL_PO_ADD;
     if (has_sum) {
         k.a.sum_scale = in.sum_scale;
         k.a.sum_zp = in.sum_zp;
@@ -143,22 +113,11 @@ std::shared_ptr<Entry> build(const cl_qconv_args &a) {
     auto e = std::make_shared<Entry>();
     const int nsp = a.nsp;
     const bool grouped = a.groups > 1;
-    memory::dims src_d{a.n, a.ic}, dst_d{a.n, a.oc}, wei_d, strides, dil, pl, pr;
-    if (grouped) wei_d = {a.groups, a.oc / a.groups, a.ic / a.groups};
-    else wei_d = {a.oc, a.ic};
-    for (int i = 0; i < nsp; ++i) {
-        src_d.push_back(a.in_sp[i]);
-        dst_d.push_back(a.out_sp[i]);
-        wei_d.push_back(a.k_sp[i]);
-        strides.push_back(a.stride[i]);
-        dil.push_back(a.dilation[i] - 1);
-        pl.push_back(a.pad_l[i]);
-        pr.push_back(a.pad_r[i]);
-    }
-    e->src_md = memory::desc(src_d, qdt(a.src_dt), act_tag(nsp, a.src_cl));
-    e->dst_md = memory::desc(dst_d, qdt(a.dst_dt), act_tag(nsp, a.dst_cl));
-    e->user_wei_md = memory::desc(wei_d, dt::s8, cldnn::wei_tag(nsp, grouped, false));
-    const memory::desc wei_any(wei_d, dt::s8, tag::any);
+    const cldnn::ConvDims d = cldnn::conv_dims(a);
+    e->src_md = memory::desc(d.src, qdt(a.src_dt), act_tag(nsp, a.src_cl));
+    e->dst_md = memory::desc(d.dst, qdt(a.dst_dt), act_tag(nsp, a.dst_cl));
+    e->user_wei_md = memory::desc(d.wei, dt::s8, cldnn::wei_tag(nsp, grouped, false));
+    const memory::desc wei_any(d.wei, dt::s8, tag::any);
     if (a.has_bias) e->bias_md = memory::desc({a.oc}, dt::f32, tag::a);
 
     dnnl::primitive_attr attr;
@@ -186,9 +145,9 @@ std::shared_ptr<Entry> build(const cl_qconv_args &a) {
     using pd_t = dnnl::convolution_forward::primitive_desc;
     pd_t pd = a.has_bias
                   ? pd_t(cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
-                         e->src_md, wei_any, e->bias_md, e->dst_md, strides, dil, pl, pr, attr)
+                         e->src_md, wei_any, e->bias_md, e->dst_md, d.strides, d.dil, d.pad_l, d.pad_r, attr)
                   : pd_t(cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
-                         e->src_md, wei_any, e->dst_md, strides, dil, pl, pr, attr);
+                         e->src_md, wei_any, e->dst_md, d.strides, d.dil, d.pad_l, d.pad_r, attr);
     e->impl = pd.impl_info_str();
     e->wei_md = pd.weights_desc();
     e->scratch_md = pd.scratchpad_desc();

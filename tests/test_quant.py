@@ -140,6 +140,21 @@ def test_qconv_rejects_bad_input_with_a_reason():
         QConv((1, 1), (0, 0), (1, 1), 1, -1.0, 0, U8, U8, 0.05, 0)(torch.zeros(1, 4, 3, 3, dtype=U8), w, ws)
 
 
+def test_the_int8_conv_checks_its_geometry_as_the_float_conv_does():
+    """The C ABI refuses an output size that does not follow from the input (the float
+    convs' one geometry check), here a kernel wider than the padded input."""
+    from cpu_layout._native import ffi, lib
+
+    a = ffi.new("cl_qconv_args *")
+    a.nsp, a.src_dt, a.dst_dt, a.n, a.ic, a.oc, a.groups = 2, lib.CL_U8, lib.CL_U8, 1, 4, 4, 1
+    # (3 - 4) // 2 + 1 == 1 in C's truncating division: only the padded-span check refuses it
+    a.in_sp[0:2], a.k_sp[0:2], a.out_sp[0:2] = [3, 3], [4, 4], [1, 1]
+    a.stride[0:2], a.dilation[0:2] = [2, 2], [1, 1]
+    buf = ffi.new("char[]", 256)
+    assert lib.cl_qconv_impl_name(a, buf, 256) == 1
+    assert "int8 conv: output size 1 in spatial dim 0 does not follow" in ffi.string(lib.cl_last_error()).decode()
+
+
 @pytest.mark.parametrize("cl", [True, False], ids=["nhwc", "nchw"])
 @pytest.mark.parametrize("ceil", [False, True], ids=["floor", "ceil"])
 @pytest.mark.parametrize("dtype", [U8, S8])
