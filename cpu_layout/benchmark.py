@@ -157,8 +157,16 @@ def prepare_model(model: torch.nn.Module, dtype: str, channels_last: bool) -> to
     return m
 
 
-def prepare_input(x: torch.Tensor, dtype: str, channels_last: bool, dynamic: bool) -> torch.Tensor:
-    """Cast / convert (always a new tensor), and mark the batch dimension dynamic if asked."""
+def call_with(fn: Callable, x):
+    """fn(x), or fn(*x) for a model taking several tensors (token ids and a mask)."""
+    return fn(*x) if isinstance(x, tuple) else fn(x)
+
+
+def prepare_input(x, dtype: str, channels_last: bool, dynamic: bool):
+    """Cast / convert (always a new tensor), and mark the batch dimension dynamic if
+    asked; a tuple of inputs each alike (integer tensors are only copied)."""
+    if isinstance(x, tuple):
+        return tuple(prepare_input(t, dtype, channels_last, dynamic) for t in x)
     y = _cast(x, dtype)
     if channels_last and y.dim() == 4:
         y = y.contiguous(memory_format=torch.channels_last)
@@ -223,7 +231,7 @@ class Compiled:
 
     def __call__(self, x):
         with torch.no_grad(), _autocast(self.dtype):
-            return self.fn(x)
+            return call_with(self.fn, x)
 
     def first_call(self, x) -> float:
         """Run the first call (compiles) and return its wall time in seconds."""
@@ -284,15 +292,19 @@ class OpenVINOCompiled(Compiled):
 
     _ov_model: Any = None
 
-    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x.detach().to(torch.float32).contiguous().clone()  # x.numpy() needs fp32
+    def prepare_input(self, x):
+        if isinstance(x, tuple):
+            return tuple(self.prepare_input(t) for t in x)
+        # x.numpy() needs fp32 (integer inputs, token ids, stay as they are)
+        return x.detach().to(torch.float32 if x.is_floating_point() else x.dtype).contiguous().clone()
 
     def __call__(self, x):
         if self._ov_model is None:
             self._ov_model = self._compile(x)
             self.compiles += 1
         self.runs += 1
-        return torch.from_numpy(self._ov_model(x.numpy())[0])  # a fresh array per call
+        arrays = [t.numpy() for t in x] if isinstance(x, tuple) else x.numpy()
+        return torch.from_numpy(self._ov_model(arrays)[0])  # a fresh array per call
 
     def _compile(self, x: torch.Tensor, **extra):
         import openvino as ov
@@ -301,7 +313,8 @@ class OpenVINOCompiled(Compiled):
         # first call runs inside the autocast region) may have on
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             m = ov.convert_model(self.model, example_input=x)
-        m.reshape([-1 if self.dynamic else x.shape[0], *x.shape[1:]])
+        shapes = [[-1 if self.dynamic else t.shape[0], *t.shape[1:]] for t in (x if isinstance(x, tuple) else (x,))]
+        m.reshape({port: shape for port, shape in zip(m.inputs, shapes)})
         cfg = {"INFERENCE_PRECISION_HINT": "f32" if self.dtype == "float32" else "bf16",
                "INFERENCE_NUM_THREADS": torch.get_num_threads(), **extra}
         return ov.compile_model(m, "CPU", cfg)
@@ -435,12 +448,12 @@ class ExportedCompiled(Compiled):
             if self._compiled is None:
                 self._compile(x)
             self.runs += 1
-            return self._compiled(x)
+            return call_with(self._compiled, x)
 
-    def _compile(self, x: torch.Tensor) -> None:
+    def _compile(self, x) -> None:
         from cpu_layout.exported import compile_exported
 
-        ep = torch.export.export(self.model, (x,))
+        ep = torch.export.export(self.model, x if isinstance(x, tuple) else (x,))
         self._compiled = compile_exported(ep, _cpu_layout_options(self.options, self.wrapper))
         self.compiles += 1
 
@@ -701,11 +714,11 @@ def stride_report(ref, res) -> str:
                      for i, (x, y) in enumerate(zip(a, b)) if _stride_key(x) != _stride_key(y))
 
 
-def fp64_reference(model: torch.nn.Module, x: torch.Tensor):
+def fp64_reference(model: torch.nn.Module, x):
     """Eager float64 outputs (the harness's golden reference for RMSE)."""
     m = copy.deepcopy(model).eval().to(torch.float64)
     with torch.no_grad():
-        out = m(x.detach().to(torch.float64))
+        out = call_with(m, _to64(x.detach() if isinstance(x, torch.Tensor) else x))
     return _to64(out)
 
 

@@ -12,12 +12,12 @@ eager had them, so its result is eager's. Groups of nodes recognised together
 from __future__ import annotations
 
 import operator
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch.fx import Node as FxNode
 
-from cpu_layout import ir, runtime
+from cpu_layout import attention, ir, runtime
 from cpu_layout import op_table as T
 from cpu_layout import layout as L
 from cpu_layout.codegen import expr as E
@@ -34,6 +34,14 @@ _ELEMENTWISE = {t: name for name, op in E.OPS.items() for t in op.aten}
 CONSTANT_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step,
                       aten.zeros.default, aten.ones.default, aten.full.default,
                       aten.scalar_tensor.default}
+
+# Factories that read only another tensor's metadata (new_zeros, zeros_like, ...):
+# with a static, contiguous result they are `full`, a constant of the graph
+# (Swin's shifted-window mask, built from x.new_zeros every forward in eager).
+# aten overload -> position of the fill value (None: the value given).
+METADATA_FACTORIES = {aten.new_zeros.default: 0, aten.new_ones.default: 1,
+                      aten.new_full.default: None, aten.zeros_like.default: 0,
+                      aten.ones_like.default: 1, aten.full_like.default: None}
 
 # aten overload -> reduction kind of ir.Reduction (float32 accumulation).
 REDUCTIONS = {
@@ -295,8 +303,31 @@ class Lowering(Patterns):
         node.rule = ir.SLICE
         return out
 
+    def _metadata_factory(self, n: FxNode) -> Optional[ir.Buffer]:
+        """`new_zeros(x, size)`, `zeros_like(x)`, ...: `full(size, value)` with x's
+        dtype, when the result's size is static and its strides contiguous."""
+        v = self._val(n)
+        if (not isinstance(v, torch.Tensor) or not all(type(s) is int for s in v.shape)
+                or tuple(v.stride()) != L.contiguous_strides(tuple(v.shape))):
+            return None
+        fill = METADATA_FACTORIES[n.target]
+        if fill is None:  # new_full(x, size, value) / full_like(x, value)
+            fill = n.args[2 if n.target is aten.new_full.default else 1] if len(n.args) > (
+                2 if n.target is aten.new_full.default else 1) else n.kwargs.get("fill_value")
+            if type(fill) not in (int, float, bool):
+                return None
+        return self._aten(n, ir.EAGER, target=aten.full.default, args=(list(v.shape), fill),
+                          kwargs={"dtype": v.dtype, "layout": torch.strided, "device": v.device,
+                                  "pin_memory": False})
+
     def _call(self, n: FxNode):
         t = n.target
+        if t is attention.FLASH:
+            return attention.lower(self, n)
+        if t in METADATA_FACTORIES:
+            r = self._metadata_factory(n)
+            if r is not None:
+                return r
         own = getattr(type(t), "lower_into", None)  # a call that lowers itself (quant/ops.py)
         if own is not None:
             return own(t, self, n)
@@ -364,6 +395,8 @@ class Lowering(Patterns):
                 lo = -1.0 if lo is None else lo
                 hi = 1.0 if hi is None else hi
             return self._pointwise(n, "clamp", [self._arg(n.args[0])], params=(lo, hi))
+        if t is aten.pow.Tensor_Scalar and not n.kwargs and type(n.args[1]) in (int, float):
+            return self._pointwise(n, "pow", [self._arg(n.args[0])], params=(n.args[1],))
         if t is aten.leaky_relu.default:
             slope = n.args[1] if len(n.args) > 1 else 0.01
             return self._pointwise(n, "leaky_relu", [self._arg(n.args[0])], params=(slope,))

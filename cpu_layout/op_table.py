@@ -97,13 +97,20 @@ def split_piece(n: ir.Aten, i: int):
     return dim % x.rank, sum(how[:i]), sum(how[:i + 1])
 
 
-def slice_range(n: ir.Aten):
-    """(dim, start, end) of a step-1 slice with static bounds (end None: to the end), else None."""
+def strided_slice(n: ir.Aten):
+    """(dim, start, end, step) of a slice with static bounds and step (end None: to
+    the end), else None."""
     x = n.args[0]
     dim, start, end, step = (list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1:])[:4]
-    if n.kwargs or step != 1 or not static([dim, start, end]) or not x.rank:
+    if n.kwargs or not static([dim, start, end, step]) or not x.rank or (step or 1) < 1:
         return None
-    return dim % x.rank, start or 0, end
+    return dim % x.rank, start or 0, end, step or 1
+
+
+def slice_range(n: ir.Aten):
+    """(dim, start, end) of a step-1 slice with static bounds (end None: to the end), else None."""
+    r = strided_slice(n)
+    return r[:3] if r is not None and r[3] == 1 else None
 
 
 def cat_reads_in_place(n: ir.Node) -> bool:
@@ -194,7 +201,7 @@ def _split_in_cpp(n):
 
 
 def _slice_in_cpp(n):
-    return float_tensor(n.inputs[0]) and float_tensor(n.out) and slice_range(n) is not None
+    return float_tensor(n.inputs[0]) and float_tensor(n.out) and strided_slice(n) is not None
 
 
 def _clone_in_cpp(n):
@@ -209,6 +216,12 @@ def _index_in_cpp(n):  # x[..., idx, idx]: float data, integer index tensors
             and all(i is None or (isinstance(i, ir.Buffer) and i.dtype == torch.int64) for i in idx))
 
 
+def _embedding_in_cpp(n):  # weight[ids]: the forward of an embedding (padding_idx only affects grads)
+    w, ids = n.args[:2]
+    return (not n.multi and float_tensor(n.out) and float_tensor(w) and w.rank == 2
+            and isinstance(ids, ir.Buffer) and ids.dtype == torch.int64)
+
+
 def _cat_in_cpp(n):
     return (_float_call(n) and not n.kwargs and static(n.args[1:])
             and all(isinstance(t, ir.Buffer) for t in n.args[0]))
@@ -216,6 +229,56 @@ def _cat_in_cpp(n):
 
 def _addmm_in_cpp(n):
     return _float_call(n) and not n.kwargs and static(n.args[3:]) and n.inputs[0].rank in (1, 2)
+
+
+def roll_args(n: ir.Aten):
+    """(dims, shifts) of a roll over given dims with static shifts, else None (a
+    roll of the flattened tensor, no dims, stays on ATen)."""
+    a = list(n.args) + [None] * (3 - len(n.args))
+    shifts, dims = n.kwargs.get("shifts", a[1]), n.kwargs.get("dims", a[2])
+    shifts = [shifts] if type(shifts) is int else shifts
+    dims = [dims] if type(dims) is int else dims
+    if not dims or not static(shifts) or not static(dims) or len(shifts) != len(dims):
+        return None
+    return [d % n.args[0].rank for d in dims], list(shifts)
+
+
+def result_order(n: ir.Aten) -> Optional[str]:
+    """The named order a call's result is allocated in: its planned label, or for
+    an EAGER call the label whose strides are exactly eager's; else None."""
+    if n.out.layout in L.LABELS:
+        return n.out.layout
+    if n.out.layout == ir.EAGER and n.out.eager_stride is not None:
+        size, stride = n.out.size, tuple(n.out.eager_stride)
+        for label, strides in ((L.CONTIGUOUS, L.contiguous_strides), (L.CHANNELS_LAST, L.channels_last_strides)):
+            if (label == L.CONTIGUOUS or len(size) in (4, 5)) and tuple(strides(size)) == stride:
+                return label
+    return None
+
+
+def _roll_in_cpp(n):
+    # Contiguous in and out only: on a channels-last input ATen's CPU roll keeps the
+    # format while its meta function (the fake strides planned with) says contiguous.
+    x = n.args[0]
+    return (not n.multi and float_tensor(n.out) and float_tensor(x) and roll_args(n) is not None
+            and result_order(n) == L.CONTIGUOUS and x.eager_stride is not None
+            and tuple(x.eager_stride) == tuple(L.contiguous_strides(x.size)))
+
+
+def _expand_in_cpp(n):  # static sizes: a view with stride-0 dims
+    return (_float_call(n) and set(n.kwargs) <= {"implicit"} and len(n.args) == 2
+            and isinstance(n.args[0], ir.Buffer) and static(n.args[1]) and len(n.args[1]) <= 16)
+
+
+def _select_in_cpp(n):
+    return (_float_call(n) and not n.kwargs and len(n.args) == 3 and isinstance(n.args[0], ir.Buffer)
+            and static(n.args[1:]))
+
+
+def _matmul_in_cpp(n):  # mm / bmm: two float tensors of the op's rank
+    rank = 3 if n.target is aten.bmm.default else 2
+    return (_float_call(n) and not n.kwargs and len(n.args) == 2
+            and all(isinstance(a, ir.Buffer) and a.rank == rank for a in n.args))
 
 
 def _as_strided_in_cpp(n):  # sizes and strides as the runtime's size expressions, a static offset
@@ -248,9 +311,9 @@ def _matmul(em, n, slot_of):
 
 
 # ---- the table ---------------------------------------------------------------------------
-# C++ forms: libtorch's C shim (aoti_torch_cpu_*: pooling, cat, addmm, mm,
+# C++ forms: libtorch's C shim (aoti_torch_cpu_*: pooling, cat, addmm, mm, bmm,
 # index) or csrc/cl_wrapper.h's own (upsample, as_strided, channel shuffle,
-# slices, clones, views).
+# slices, selects, expands, rolls, clones, views).
 
 OPS: Dict[object, AtenOp] = {
     # VIEW: an alias in whatever layout the plan gave the input, when memory order allows.
@@ -264,8 +327,8 @@ OPS: Dict[object, AtenOp] = {
     # DENSE: a contiguous result whatever the inputs' strides (ATen's kernels
     # allocate it so), values independent of them.
     aten.addmm.default: AtenOp(ir.DENSE, in_cpp=_addmm_in_cpp, encode=_matmul),
-    aten.mm.default: AtenOp(ir.DENSE, in_cpp=_static_call, encode=_matmul),
-    aten.bmm.default: AtenOp(ir.DENSE),
+    aten.mm.default: AtenOp(ir.DENSE, in_cpp=_matmul_in_cpp, encode=_matmul),
+    aten.bmm.default: AtenOp(ir.DENSE, in_cpp=_matmul_in_cpp, encode=_matmul),
     # FOLLOW: the result takes its (first) tensor input's memory format, and
     # either format is accepted: safe on channels-last data.
     aten.max_pool2d.default: AtenOp(ir.FOLLOW, "max", _static_call, _pool("max_pool")),
@@ -284,10 +347,15 @@ OPS: Dict[object, AtenOp] = {
     aten.split.Tensor: AtenOp(ir.EAGER, in_cpp=_split_in_cpp, encode=lambda em, n, s: em.split(n)),
     aten.split_with_sizes.default: AtenOp(ir.EAGER, in_cpp=_split_in_cpp, encode=lambda em, n, s: em.split(n)),
     aten.slice.Tensor: AtenOp(ir.EAGER, in_cpp=_slice_in_cpp,
-                              encode=lambda em, n, s: em.slice(n, *slice_range(n))),
+                              encode=lambda em, n, s: em.slice(n, *strided_slice(n))),
+    aten.expand.default: AtenOp(ir.EAGER, in_cpp=_expand_in_cpp, encode=lambda em, n, s: em.expand(n)),
+    aten.select.int: AtenOp(ir.EAGER, in_cpp=_select_in_cpp, encode=lambda em, n, s: em.select(n)),
+    aten.roll.default: AtenOp(ir.EAGER, in_cpp=_roll_in_cpp, encode=lambda em, n, s: em.roll(n, result_order(n), *roll_args(n))),
     aten.as_strided.default: AtenOp(ir.EAGER, in_cpp=_as_strided_in_cpp, encode=lambda em, n, s: em.as_strided(n, s)),
     aten._unsafe_index.Tensor: AtenOp(ir.EAGER, in_cpp=_index_in_cpp, encode=lambda em, n, s: em.index(n)),
     aten.index.Tensor: AtenOp(ir.EAGER, in_cpp=_index_in_cpp, encode=lambda em, n, s: em.index(n)),
+    aten.embedding.default: AtenOp(ir.EAGER, in_cpp=_embedding_in_cpp,
+                                   encode=lambda em, n, s: em.index(n, [n.args[1]])),
 }
 
 

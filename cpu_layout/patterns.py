@@ -388,9 +388,10 @@ class Patterns:
 
 
 def _whole(n: ir.Node) -> bool:
-    """A clone that keeps its input's memory format, an alias, or a step-1 slice over
-    all of a static dim (GhostNet's `cat(...)[:, :oup]` where oup is every channel:
-    torch.export keeps the slice, Dynamo's graph has an alias)."""
+    """A clone that keeps its input's memory format, an alias, an expand to the
+    input's own size, a pad by nothing, or a step-1 slice over all of a static dim
+    (GhostNet's `cat(...)[:, :oup]` where oup is every channel: torch.export keeps
+    the slice, Dynamo's graph has an alias)."""
     if (not isinstance(n, ir.Aten) or not n.args or not isinstance(n.args[0], ir.Buffer)
             or not n.args[0].is_tensor):
         return False
@@ -399,6 +400,10 @@ def _whole(n: ir.Node) -> bool:
     if n.target is aten.clone.default:
         return (len(n.args) == 1 and set(n.kwargs) <= {"memory_format"}
                 and n.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format)
+    if n.target is aten.expand.default:  # to its own size (matmul's decomposition)
+        return len(n.args) == 2 and not n.kwargs and list(n.args[1]) == list(n.args[0].size)
+    if n.target is aten.constant_pad_nd.default:  # no padding (Swin at a multiple of its window)
+        return len(n.args) >= 2 and not n.kwargs and all(type(p) is int and p == 0 for p in n.args[1])
     if n.target is aten.slice.Tensor:
         r = T.slice_range(n)
         if r is None:

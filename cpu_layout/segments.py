@@ -144,12 +144,31 @@ def _prepare(g: ir.Graph) -> None:
     g.remove_dead()
 
 
+def _python_first(nodes: List[ir.Node]) -> List[ir.Node]:
+    """`nodes` with the Python nodes that read nothing a segment computes moved
+    ahead, in order: an attention mask built from the input ids (bool tensors,
+    Python) between layers would otherwise end one segment and start the next.
+    Nodes with effects, and everything after one, keep their places."""
+    from_cpp = set()  # buffers a segment computes, or computed from one
+    early, late = [], []
+    for i, n in enumerate(nodes):
+        if n.effects:
+            return early + late + nodes[i:]
+        if runs_in_cpp(n) or any(b in from_cpp for b in n.inputs):
+            late.append(n)
+            if n.out is not None:
+                from_cpp.add(n.out)
+        else:
+            early.append(n)
+    return early + late
+
+
 def _groups(g: ir.Graph):
     """Constant nodes (the prologue), and the rest in order as groups: a list
     of nodes for each run that goes into one segment, a node for Python."""
     body = [n for n in g.nodes if not isinstance(n, (ir.Input, ir.Output))]
     const_nodes = [n for n in body if n.out is not None and n.out.constant]
-    rest = [n for n in body if not (n.out is not None and n.out.constant)]
+    rest = _python_first([n for n in body if not (n.out is not None and n.out.constant)])
     groups: List[object] = []
     for n in rest:
         if not runs_in_cpp(n):

@@ -57,6 +57,105 @@ def import_timm():
         return None
 
 
+def import_transformers():
+    """`import transformers`, or None when it is not installed. It imports torchvision
+    when that is installed, so torchvision's schemas are made importable first."""
+    import_torchvision()
+    try:
+        import transformers
+        return transformers
+    except ImportError:
+        return None
+
+
+# ---- Hugging Face models, built from their configs (random weights) ------------------
+
+# name -> (model class, config class, config overrides, decoder input: encoder-decoder
+# models take decoder_input_ids too). Defaults are each architecture's base config
+# (BERT-base, GPT-2 small, T5-small, BART-base ...); the Llama-architecture decoder
+# is a small one (8 layers, hidden 768, grouped-query attention with 4 KV heads).
+HF_MODELS = {
+    "bert": ("BertForSequenceClassification", "BertConfig", {}, False),
+    "roberta": ("RobertaForSequenceClassification", "RobertaConfig", {}, False),
+    "distilbert": ("DistilBertForSequenceClassification", "DistilBertConfig", {}, False),
+    "albert": ("AlbertForSequenceClassification", "AlbertConfig", {}, False),
+    "electra": ("ElectraForSequenceClassification", "ElectraConfig", {}, False),
+    "t5_encoder": ("T5EncoderModel", "T5Config", {}, False),
+    "t5": ("T5ForConditionalGeneration", "T5Config", {}, True),
+    "bart": ("BartForConditionalGeneration", "BartConfig", {}, True),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {}, False),
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048), False),
+}
+
+# The same architectures cut down for tests: two layers, hidden 32, short vocabularies.
+_TINY = {
+    "bert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 vocab_size=100),
+    "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=100),
+    "t5": dict(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8,
+               vocab_size=100),
+    "bart": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, vocab_size=100),
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100),
+}
+HF_TINY = tuple(_TINY)
+
+
+class HFModel(torch.nn.Module):
+    """A Hugging Face model as a function of tensors: (input_ids, attention_mask[,
+    decoder_input_ids]) -> its first output (logits, or the encoder's last hidden
+    state), so every harness calls it as it calls a vision model."""
+
+    def __init__(self, model, decoder: bool):
+        import inspect
+
+        super().__init__()
+        self.model, self.decoder = model, decoder
+        # A whole sequence per call: no key/value cache returned beside the logits.
+        self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
+
+    def forward(self, input_ids, attention_mask, decoder_input_ids=None):
+        kw = {"use_cache": False} if self.no_cache else {}
+        if self.decoder:
+            kw["decoder_input_ids"] = decoder_input_ids
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **kw)[0]
+
+
+def build_hf(name: str, tiny: bool = False) -> HFModel:
+    """The model `name` of HF_MODELS from its config, random weights, eval mode, eager
+    attention (what a user's `from_config` gets without flash kernels: the graph holds
+    the attention's matmuls and softmax, or SDPA where the model's default is SDPA)."""
+    tf = import_transformers()
+    if tf is None:
+        raise ImportError("the huggingface suite needs transformers (pip install transformers)")
+    if name not in HF_MODELS or (tiny and name not in _TINY):
+        raise ValueError(f"unknown huggingface model {name!r}; choose from "
+                         f"{', '.join(HF_TINY if tiny else HF_MODELS)}")
+    cls, cfg_cls, overrides, decoder = HF_MODELS[name]
+    cfg = getattr(tf, cfg_cls)(**(_TINY[name] if tiny else overrides))
+    torch.manual_seed(0)
+    model = getattr(tf, cls)(cfg).eval()
+    return HFModel(model, decoder).eval()
+
+
+def hf_inputs(name: str, batch: int, seq: int, vocab: int = 100, seed: int = 1,
+              padded: bool = True) -> Tuple[torch.Tensor, ...]:
+    """Token ids and an attention mask (the last quarter of every other row padded
+    when `padded`), plus decoder ids for encoder-decoder models."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded and seq >= 4:
+        mask[1::2, seq - seq // 4:] = 0
+    if HF_MODELS[name][3]:
+        return ids, mask, torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, mask
+
+
 def example_input(shape: Tuple[int, ...], seed: int = 1) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 

@@ -54,6 +54,10 @@ AOTITorchError aoti_torch_cpu_cat(const AtenTensorHandle*, int64_t, int64_t, Ate
 AOTITorchError aoti_torch_cpu_addmm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle,
                                         AtenTensorHandle, double, double);
 AOTITorchError aoti_torch_cpu_mm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle);
+AOTITorchError aoti_torch_cpu_bmm_out(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle);
+AOTITorchError aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(
+    AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, double, int32_t, AtenTensorHandle*, double*,
+    AtenTensorHandle*, AtenTensorHandle*);
 AOTITorchError aoti_torch_cpu_mkldnn__convolution_pointwise(
     AtenTensorHandle, AtenTensorHandle, AtenTensorHandle*, const int64_t*, int64_t, const int64_t*, int64_t,
     const int64_t*, int64_t, int64_t, const char*, const double**, int64_t, const char**, AtenTensorHandle*);
@@ -646,16 +650,56 @@ static inline H as_strided(const H& t, int nd, const int64_t* sz, const int64_t*
 
 // aten::slice with step 1 (also a split's piece), a view: start and end
 // clamped to dim `d`'s size as ATen clamps them (negative: from the end).
-static inline H slice(const H& t, int d, int64_t start, int64_t end) {
+static inline H slice(const H& t, int d, int64_t start, int64_t end, int64_t step = 1) {
   const int nd = (int)dim(t);
   const int64_t n = sizes(t)[d];
   auto clamp = [n](int64_t i) { if (i < 0) i += n; return i < 0 ? 0 : i > n ? n : i; };
   const int64_t lo = clamp(start), hi = std::max(lo, clamp(end));
-  int64_t sz[16];
+  int64_t sz[16], st[16];
   std::copy(sizes(t), sizes(t) + nd, sz);
-  sz[d] = hi - lo;
+  std::copy(strides(t), strides(t) + nd, st);
+  sz[d] = (hi - lo + step - 1) / step;
+  st[d] *= step;
   AtenTensorHandle h;
-  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, strides(t), lo * strides(t)[d], &h), "slice");
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd, sz, st, lo * strides(t)[d], &h), "slice");
+  return H(h);
+}
+
+// x.expand(want) as ATen's inferExpandGeometry: -1 keeps a size, a size-1 dim
+// broadcast and every new leading dim get stride 0 (a view).
+static inline H expand(const H& t, int nd, const int64_t* want) {
+  const int td = (int)dim(t);
+  if (nd < td || nd > 16) throw std::runtime_error("expand: fewer dims than the tensor's");
+  int64_t sz[16], st[16];
+  for (int i = nd - 1; i >= 0; --i) {
+    const int j = i - (nd - td);
+    int64_t size = j >= 0 ? sizes(t)[j] : 1;
+    int64_t stride = j >= 0 ? strides(t)[j] : (i + 1 < nd ? sz[i + 1] * st[i + 1] : 1);
+    const int64_t target = want[i] == -1 ? size : want[i];
+    if (want[i] == -1 && j < 0) throw std::runtime_error("expand: -1 for a new dim");
+    if (size != target) {
+      if (size != 1) throw std::runtime_error("expand: a dim of size other than 1 cannot grow");
+      size = target;
+      stride = 0;
+    }
+    sz[i] = size; st[i] = stride;
+  }
+  return alias(t, nd, sz, st);
+}
+
+// x.select(d, i): the slice at i with dim d dropped (a view).
+static inline H select(const H& t, int d, int64_t i) {
+  const int nd = (int)dim(t);
+  const int64_t n = sizes(t)[d];
+  if (i < -n || i >= n) throw std::runtime_error("select: index out of range");
+  if (i < 0) i += n;
+  int64_t sz[16], st[16];
+  for (int k = 0, j = 0; k < nd; ++k) {
+    if (k == d) continue;
+    sz[j] = sizes(t)[k]; st[j] = strides(t)[k]; ++j;
+  }
+  AtenTensorHandle h;
+  shim(aoti_torch__reinterpret_tensor(t.get(), nd - 1, sz, st, i * strides(t)[d], &h), "select");
   return H(h);
 }
 
@@ -742,6 +786,27 @@ static inline void channel_shuffle_into(H& out, const H& x, int64_t g, int64_t s
 
 // aten::clone into fresh storage `out` laid out as the caller chose.
 static inline void copy_into(H& out, const H& t) { shim(aoti_torch_copy_(out.get(), t.get(), 0), "clone"); }
+
+// torch.roll(t, shifts, dims) into `out` (t's sizes): every rolled dim splits into
+// two blocks that trade places, so 2^k block copies, each a strided ATen copy.
+static inline void roll_into(H& out, const H& t, int k, const int64_t* dims, const int64_t* shifts) {
+  for (int64_t m = 0; m < (int64_t(1) << k); ++m) {
+    H src = alias(t, (int)dim(t), sizes(t), strides(t));
+    H dst = alias(out, (int)dim(out), sizes(out), strides(out));
+    bool empty = false;
+    for (int j = 0; j < k; ++j) {
+      const int d = (int)dims[j];
+      const int64_t n = sizes(t)[d];
+      const int64_t s = n ? ((shifts[j] % n) + n) % n : 0;
+      // block 0: t[0, n-s) -> out[s, n); block 1: t[n-s, n) -> out[0, s)
+      const bool hi = (m >> j) & 1;
+      if ((hi ? s : n - s) == 0) { empty = true; break; }
+      src = slice(src, d, hi ? n - s : 0, hi ? n : n - s);
+      dst = slice(dst, d, hi ? 0 : s, hi ? s : n);
+    }
+    if (!empty) copy_into(dst, src);
+  }
+}
 
 // ATen's reshape: the view when the strides allow it, else a view of a contiguous copy.
 static inline H reshape(const H& t, int nn, const int64_t* nsz) {

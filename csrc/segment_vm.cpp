@@ -28,7 +28,7 @@ enum Op : int64_t {
   EXPECT = 1, BLOB, SYM_DIM, SYM_SCALAR, ORDERED, ORDERED_PERM, GIVE, RESET, CONV, KERNEL,
   REDUCTION, LAYER_NORM, RESHAPE, PERMUTE, UNSQUEEZE, REORDER, REORDER_PERM, POOL_KERNEL,
   MAX_POOL, AVG_POOL, CAT, CAT_SHIM, AS_STRIDED, UPSAMPLE, INDEX, MM, ADDMM, ALIAS, SLICE,
-  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, OUT_EAGER, QCONV, QMAX_POOL, N_OPS
+  CLONE, SHUFFLE, CHECK, OUT, ATEN_CONV, GROUP_NORM, SOFTMAX, OUT_EAGER, QCONV, QMAX_POOL, BMM, SELECT, ROLL, SDPA, EXPAND, N_OPS
 };
 
 // Size-expression tokens (program.py: sizes.rpn): a stack machine over int64.
@@ -672,14 +672,20 @@ void Run::run(uintptr_t* out) {
         break;
       }
       case MM:      // out m1 m2 es fresh msg
+      case BMM:     // out b1 b2 es fresh msg
       case ADDMM: {  // out bias m1 m2 beta_real alpha_real es fresh msg
         const int64_t o = A(), bias = op == ADDMM ? A() : -1, m1 = A(), m2 = A();
         const int64_t beta = op == ADDMM ? A() : -1, alpha = op == ADDMM ? A() : -1;
         const int64_t es = A(), fresh = A();
-        const int64_t osz[] = {clw::sizes(R(m1))[0], clw::sizes(R(m2))[1]};
-        H t = alloc(fresh, 2, osz, false, (int)es);
+        // The operands are read in the strides they have: ATen's gemm takes a
+        // transposed view (attention's K^T) as a transposed operand, not a copy.
+        const int64_t* s1 = clw::sizes(R(m1));
+        const int64_t* s2 = clw::sizes(R(m2));
+        const int64_t osz[] = {s1[0], s1[op == BMM ? 1 : 0], s2[op == BMM ? 2 : 1]};
+        H t = op == BMM ? alloc(fresh, 3, osz, false, (int)es) : alloc(fresh, 2, osz + 1, false, (int)es);
         const char* msg = S(A()).c_str();
         if (op == MM) clw::shim(aoti_torch_cpu_mm_out(t.get(), R(m1).get(), R(m2).get()), msg);
+        else if (op == BMM) clw::shim(aoti_torch_cpu_bmm_out(t.get(), R(m1).get(), R(m2).get()), msg);
         else clw::shim(aoti_torch_cpu_addmm_out(t.get(), R(bias).get(), R(m1).get(), R(m2).get(),
                                                 p_.reals[(size_t)beta], p_.reals[(size_t)alpha]), msg);
         set(o, std::move(t));
@@ -691,9 +697,47 @@ void Run::run(uintptr_t* out) {
         set(o, clw::alias(x, (int)clw::dim(x), clw::sizes(x), clw::strides(x)));
         break;
       }
-      case SLICE: {  // out x dim start end
-        const int64_t o = A(), x = A(), d = A(), s = A(), e = A();
-        set(o, clw::slice(R(x), (int)d, s, e));
+      case SDPA: {  // out q k v mask(-1: none) is_causal scale_real(-1: none) msg
+        const int64_t o = A(), q = A(), k = A(), v = A(), m = A(), causal = A(), sc = A();
+        const char* msg = S(A()).c_str();
+        AtenTensorHandle mh = m >= 0 ? R(m).get() : nullptr;
+        double scale = sc >= 0 ? p_.reals[(size_t)sc] : 0.0;
+        AtenTensorHandle out, lse;
+        clw::shim(aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(
+                      R(q).get(), R(k).get(), R(v).get(), 0.0, (int32_t)causal, m >= 0 ? &mh : nullptr,
+                      sc >= 0 ? &scale : nullptr, &out, &lse), msg);
+        H keep(out), drop(lse);
+        set(o, std::move(keep));
+        break;
+      }
+      case EXPAND: {  // out x nd sizes[nd]
+        const int64_t o = A(), x = A(), nd = A();
+        if (nd > 16) fail("segment program: more than 16 dims");
+        int64_t want[16];
+        for (int64_t i = 0; i < nd; ++i) want[i] = A();
+        set(o, clw::expand(R(x), (int)nd, want));
+        break;
+      }
+      case SELECT: {  // out x dim index
+        const int64_t o = A(), x = A(), d = A(), i = A();
+        set(o, clw::select(R(x), (int)d, i));
+        break;
+      }
+      case ROLL: {  // out x nd cl es fresh k dims[k] shifts[k]
+        const int64_t o = A(), x = A(), nd = A(), cl = A(), es = A(), fresh = A(), k = A();
+        if (k > 16) fail("segment program: roll over more than 16 dims");
+        int64_t dims[16], shifts[16];
+        for (int64_t j = 0; j < k; ++j) dims[j] = A();
+        for (int64_t j = 0; j < k; ++j) shifts[j] = A();
+        H t = alloc(fresh, (int)nd, clw::sizes(R(x)), cl != 0, (int)es);
+        clw::roll_into(t, R(x), (int)k, dims, shifts);
+        set(o, std::move(t));
+        break;
+      }
+      case SLICE: {  // out x dim start end step
+        const int64_t o = A(), x = A(), d = A(), s = A(), e = A(), st = A();
+        if (st < 1) fail("segment program: slice step below 1");
+        set(o, clw::slice(R(x), (int)d, s, e, st));
         break;
       }
       case CLONE: {  // out x nd cl es fresh

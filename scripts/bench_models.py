@@ -2,7 +2,11 @@
 """cpu_layout against eager, Inductor and OpenVINO on a model suite, one table.
 
 Suites: builtin (cpu_layout.models, small inputs), torchvision and timm (cpu_layout.zoo,
-random weights, nothing downloads; inputs --batch (1) x 3 x --size x --size (224)).
+random weights, nothing downloads; inputs --batch (1) x 3 x --size x --size (224)),
+huggingface (zoo.HF_MODELS: transformers models built from their configs, random
+weights; inputs token ids and an attention mask of --batch x --seq (128), every other
+row's last quarter padded, plus decoder ids for T5 and BART; the model's first output
+is compared: logits, or the encoder's last hidden state).
 For every model x dtype (float32, amp; bfloat16, int8 on request) x shape (static,
 dynamic = batch dim only): median latency of
   eager      the model as is
@@ -67,8 +71,8 @@ Each configuration starts from torch._dynamo.reset(); each compiled backend has 
 own counting backend and the script checks that the timed calls ran the code that
 backend compiled (and, for frz, that Inductor's freeze() really ran).
 
-    python scripts/bench_models.py [--suite builtin|torchvision|timm] [--models a,b]
-                                   [--batch N] [--size N] [--dtypes float32,amp,int8]
+    python scripts/bench_models.py [--suite builtin|torchvision|timm|huggingface] [--models a,b]
+                                   [--batch N] [--size N] [--seq N] [--dtypes float32,amp,int8]
                                    [--shapes static,dynamic] [--backends eager,cplcpp,ov]
                                    [--threads N] [--iters N] [--quick] [--csv PATH]
                                    [--skip-guards] [--guard-filter]
@@ -157,6 +161,7 @@ SUITE_ALL = {
                     "regnet_y_800mf", "mnasnet1_0", "squeezenet1_1"),
     "timm": ("resnet50", "mobilenetv3_large_100", "efficientnet_b0", "convnext_tiny",
              "regnety_008", "resnest50d", "densenet121"),
+    "huggingface": tuple(zoo.HF_MODELS),
 }
 
 
@@ -180,7 +185,11 @@ def fmt_s(v):
 
 
 def build(args, name):
-    """(model, batch size -> example input, batch size) for one model of args.suite."""
+    """(model, batch size -> example input, batch size) for one model of args.suite
+    (huggingface: the input is (token ids, attention mask[, decoder ids]))."""
+    if args.suite == "huggingface":
+        return (zoo.build_hf(name), lambda bs: zoo.hf_inputs(name, bs, args.seq),
+                args.batch or 1)
     if args.suite == "builtin":
         return (models.build(name)[0], lambda bs: models.build(name, batch_size=bs)[1],
                 args.batch or models.MODELS[name][1][0])
@@ -458,7 +467,7 @@ def write_csv(path, results, variants, suite):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="builtin", choices=("builtin", "torchvision", "timm"),
+    ap.add_argument("--suite", default="builtin", choices=("builtin", "torchvision", "timm", "huggingface"),
                     help="model set [builtin]")
     ap.add_argument("--models", default="all",
                     help="comma-separated names in the suite, or all (builtin: every built-in "
@@ -468,6 +477,8 @@ def main(argv=None):
                     help="batch size (default: 1 for torchvision/timm, the model's own for builtin)")
     ap.add_argument("--size", type=int, default=None,
                     help="torchvision/timm: input height = width [224]; 0: the model's usual size")
+    ap.add_argument("--seq", type=int, default=128,
+                    help="huggingface: sequence length [128] (every other row's last quarter padded)")
     ap.add_argument("--dtypes", default="float32,amp",
                     help="float32,amp[,bfloat16][,int8] (int8: PT2E-quantized, static shapes)")
     ap.add_argument("--shapes", default="static,dynamic", help="static,dynamic")
@@ -498,6 +509,15 @@ def main(argv=None):
         for n in names:
             if n not in models.MODELS:
                 ap.error(f"unknown model {n!r}; built-in: {', '.join(models.MODELS)}")
+    elif args.suite == "huggingface":
+        if zoo.import_transformers() is None:
+            ap.error("the huggingface suite needs transformers (pip install transformers)")
+        names = list(SUITE_ALL[args.suite]) if args.models == "all" else args.models.split(",")
+        for n in names:
+            if n not in zoo.HF_MODELS:
+                ap.error(f"unknown huggingface model {n!r}; choose from {', '.join(zoo.HF_MODELS)}")
+        if INT8 in args.dtypes.split(","):
+            ap.error("int8: the huggingface suite is not quantized yet (CNN suites only)")
     else:
         args.size = 224 if args.size is None else args.size
         names = list(SUITE_ALL[args.suite]) if args.models == "all" else args.models.split(",")
@@ -526,8 +546,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
-    inputs = (f"batch {args.batch or 1}, {args.size or 'usual'} px" if args.suite != "builtin"
-              else f"batch {args.batch or 'per model'}")
+    inputs = (f"batch {args.batch or 'per model'}" if args.suite == "builtin"
+              else f"batch {args.batch or 1}, sequence {args.seq}" if args.suite == "huggingface"
+              else f"batch {args.batch or 1}, {args.size or 'usual'} px")
     print(f"suite {args.suite} ({inputs}); torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "

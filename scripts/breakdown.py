@@ -41,7 +41,7 @@ SEGMENT_KINDS = {
     "layout copies": ("ORDERED", "ORDERED_PERM", "REORDER", "REORDER_PERM"),
     "views": ("RESHAPE", "PERMUTE", "UNSQUEEZE", "AS_STRIDED", "ALIAS", "SLICE"),
     "cat/shuffle/clone": ("CAT", "SHUFFLE", "CLONE"),
-    "ATen (C shim)": ("MAX_POOL", "AVG_POOL", "CAT_SHIM", "UPSAMPLE", "INDEX", "MM", "ADDMM"),
+    "ATen (C shim)": ("MAX_POOL", "AVG_POOL", "CAT_SHIM", "UPSAMPLE", "INDEX", "MM", "BMM", "ADDMM"),
     "segment bookkeeping": ("EXPECT", "BLOB", "SYM_DIM", "SYM_SCALAR", "GIVE", "RESET", "CHECK", "OUT"),
 }
 

@@ -25,8 +25,9 @@ fi
 # openvino for the benchmarks' OpenVINO column, torchao for PyTorch's INT8 flow
 # (PT2E: prepare_pt2e / convert_pt2e with X86InductorQuantizer; pinned, as it
 # follows torch releases), nncf for the benchmarks' OpenVINO INT8 column
-# (nncf.quantize; it does not depend on torch).
-EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm openvino torchao==0.18.0 nncf)
+# (nncf.quantize; it does not depend on torch), transformers for the huggingface
+# suite (models built from their configs; pinned: its model code decides the graphs).
+EXTRAS=(pytest hypothesis matplotlib torchvision==0.28.0 timm openvino torchao==0.18.0 nncf transformers==5.25.0)
 STAMP="$VENV/.cpu_layout-build-stamp"
 HASH="$( (cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/*; echo "${EXTRAS[*]}") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ] || \

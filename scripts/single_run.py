@@ -10,7 +10,10 @@ Positional arguments (same order, defaults and meanings as inductor_single_run.s
               socket 0 (pinned with numactl or taskset when present); all: both.
   2 MODE      inference | training               [inference]  (training: not supported yet)
   3 SCENARIO  accuracy | performance             [accuracy]
-  4 SUITE     builtin | torchvision | timm_models [builtin]
+  4 SUITE     builtin | torchvision | timm_models | huggingface [builtin]
+              huggingface: transformers models from their configs (cpu_layout.zoo.HF_MODELS,
+              random weights), token ids and an attention mask as input, sequence 128
+              at batch 1 (single) and 384 otherwise (batch 8 unless BS says).
   5 MODEL     a model name, or all               [all]
   6 DT        float32 | amp | bfloat16 | int8    [float32]
               int8: the fp32 model quantized with PyTorch's PT2E flow
@@ -62,13 +65,13 @@ import time
 THREADS = ("multiple", "single", "all")
 MODES = ("inference", "training")
 SCENARIOS = ("accuracy", "performance")
-SUITES = ("builtin", "torchvision", "timm_models")
+SUITES = ("builtin", "torchvision", "timm_models", "huggingface")
 DTS = ("float32", "amp", "bfloat16", "int8")
 CHANNELS = ("first", "last")
 SHAPES = ("static", "dynamic")
 WRAPPERS = ("default", "cpp")
 BACKENDS = ("cpu_layout", "inductor", "inductor_freezing", "eager")
-SUITE_PACKAGE = {"torchvision": "torchvision", "timm_models": "timm"}
+SUITE_PACKAGE = {"torchvision": "torchvision", "timm_models": "timm", "huggingface": "transformers"}
 
 ACCURACY_HEADER = ["dev", "name", "batch_size", "accuracy", "calls_captured", "unique_graphs",
                    "graph_breaks"]
@@ -161,6 +164,12 @@ def parse_args(argv=None, check_model: bool = True):
 
 
 def check_model_name(p: argparse.ArgumentParser, args) -> None:
+    if args.suite == "huggingface" and args.model != "all":
+        from cpu_layout.zoo import HF_MODELS  # imports torch; only needed to check a model name
+
+        if args.model not in HF_MODELS:
+            p.error(f"argument MODEL: unknown huggingface model {args.model!r} "
+                    f"(choose from all, {', '.join(HF_MODELS)})")
     if args.suite == "builtin" and args.model != "all":
         names = builtin_model_names()
         if args.model not in names:
@@ -248,6 +257,10 @@ def main(argv=None) -> int:
     if args.dt == "int8" and args.shape == "dynamic":
         _err("single_run: DT=int8 with SHAPE=dynamic is not supported yet: the PT2E graph keeps "
              "torch.export's guard on the batch size it was quantized at; use SHAPE=static")
+        return EXIT_USAGE
+    if args.dt == "int8" and args.suite == "huggingface":
+        _err("single_run: DT=int8 with SUITE=huggingface is not supported yet: the PT2E flow here "
+             "quantizes the CNN suites; use DT=float32 or amp")
         return EXIT_USAGE
     if args.dt == "int8" and importlib.util.find_spec("torchao") is None:
         _err("single_run: DT=int8 quantizes with PyTorch's PT2E flow, which needs torchao: "
@@ -384,6 +397,13 @@ def load_suite_models(suite: str, model: str):
         return [(n, (lambda bs, n=n: models.build(n, batch_size=bs))) for n in names]
     from cpu_layout import zoo
 
+    if suite == "huggingface":  # only reached when transformers is installed
+        names = list(zoo.HF_MODELS) if model == "all" else [model]
+
+        def build_hf(bs, n):
+            bs = bs or 8
+            return zoo.build_hf(n), zoo.hf_inputs(n, bs, 128 if bs == 1 else 384)
+        return [(n, (lambda bs, n=n: build_hf(bs, n))) for n in names]
     if suite == "torchvision":  # only reached when torchvision is installed
         tv = zoo.import_torchvision()
         names = tv.models.list_models(module=tv.models) if model == "all" else [model]
@@ -458,7 +478,7 @@ def worker_main(args) -> int:
         except Exception as exc:  # noqa: BLE001
             _err(B.one_line(name, exc))
             model = x = None
-        batch = int(x.shape[0]) if x is not None else bs
+        batch = int((x[0] if isinstance(x, tuple) else x).shape[0]) if x is not None else bs
         qmodel = None
         if int8 and model is not None:
             try:  # re-estimates model's batch-norm statistics in place, then PT2E

@@ -995,3 +995,82 @@ def test_pooling_a_channel_slice_of_a_channels_last_input(grad_mode):
         y = compile_cpp(model)(x)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert y.shape == ref.shape and y.stride() == ref.stride()
+
+
+class WindowAttention(nn.Module):
+    """Swin's shifted-window block at a multiple of its window, cut down: a pad by
+    nothing, a roll, the window partition (views and permutes), qkv as one linear
+    and `select` of q, k, v, q @ k^T and p @ v (bmm on head-split views, matmul's
+    expand to the same size), a mask built from `new_zeros` every forward, the
+    reverse roll, and the patch merge's step-2 slices."""
+
+    def __init__(self, c=8, heads=2, win=2, shift=1):
+        super().__init__()
+        self.heads, self.win, self.shift = heads, win, shift
+        self.qkv = nn.Linear(c, 3 * c)
+        self.proj = nn.Linear(c, c)
+        self.merge = nn.Linear(4 * c, 2 * c)
+
+    def forward(self, x):  # x: [B, H, W, C]
+        b, h, w, c = x.shape
+        win, s, nh = self.win, self.shift, self.heads
+        x = F.pad(x, (0, 0, 0, (win - w % win) % win, 0, (win - h % win) % win))
+        y = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
+        y = y.view(b, h // win, win, w // win, win, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, win * win, c)
+        qkv = self.qkv(y).reshape(y.size(0), win * win, 3, nh, c // nh).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = q.matmul(k.transpose(-2, -1)) * (c // nh) ** -0.5
+        mask = x.new_zeros((h, w))
+        for i, hs in enumerate(((0, -win), (-win, -s), (-s, None))):
+            mask[hs[0]:hs[1], :] = i
+        mask = mask.view(h // win, win, w // win, win).permute(0, 2, 1, 3).reshape(-1, win * win)
+        mask = (mask.unsqueeze(1) - mask.unsqueeze(2)).masked_fill(
+            mask.unsqueeze(1) != mask.unsqueeze(2), -100.0)
+        attn = (attn.view(b, -1, nh, win * win, win * win) + mask.unsqueeze(1).unsqueeze(0)).softmax(-1)
+        y = attn.view(-1, nh, win * win, win * win).matmul(v).transpose(1, 2).reshape(-1, win * win, c)
+        y = self.proj(y).view(b, h // win, w // win, win, win, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        x = x + torch.roll(y, shifts=(s, s), dims=(1, 2))
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+        return self.merge(x)
+
+
+def _in_one_segment_call(fn, shape, monkeypatch, what):
+    """fn's result on a new input of `shape` after a first call laid it out, checked to
+    be one segment call with no node run from Python: (input, result)."""
+    fn(torch.randn(shape))
+    _no_python_runners(monkeypatch)
+    x = torch.randn(shape)
+    before = runtime.SegmentCall.calls
+    got = fn(x)
+    assert runtime.SegmentCall.calls - before == 1, f"{what} split the segment"
+    return x, got
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_window_attention_runs_in_one_segment(mode, monkeypatch):
+    """Each op of the block has a segment instruction (or is a constant, or
+    nothing): one foreign call per forward, values and strides as eager's."""
+    torch.manual_seed(0)
+    model = WindowAttention().eval()
+    fn = compile_cpp(model)
+    grad = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with grad:
+        x, got = _in_one_segment_call(fn, (2, 4, 6, 8), monkeypatch, "an op of the block")
+        ref = model(x)
+    assert got.shape == ref.shape and got.stride() == ref.stride()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shifts,dims", [((1, -2), (1, 2)), (3, 0), ((0, 7), (2, 3)), ((-1,), (-1,)),
+                                         ((9, -11, 2, 1), (0, 1, 2, 3))])
+def test_roll_and_strided_slices_match_atens(shifts, dims, monkeypatch):
+    """The segment's roll (2^k block copies; shifts beyond the size, zero and
+    negative) and step-k slices: bit-identical to ATen's, same strides, no
+    Python node."""
+    def f(x):
+        y = torch.roll(x * 2, shifts, dims)
+        return y[:, :, 1::2, ::3] + 1, y[1:, 2::2]
+    x, got = _in_one_segment_call(compile_cpp(f), (2, 3, 5, 7), monkeypatch, "the roll or a slice")
+    for g, r in zip(got, f(x)):
+        assert g.stride() == r.stride()
+        assert torch.equal(g, r)

@@ -79,7 +79,8 @@ BAD = [
     (["bogus"], "THREAD"),
     (["multiple", "predict"], "MODE"),
     (["multiple", "inference", "speed"], "SCENARIO"),
-    (["multiple", "inference", "accuracy", "huggingface"], "SUITE"),
+    (["multiple", "inference", "accuracy", "torchbench"], "SUITE"),
+    (["multiple", "inference", "accuracy", "huggingface", "gpt5"], "MODEL"),
     (["multiple", "inference", "accuracy", "builtin", "alexnet"], "MODEL"),
     (["multiple", "inference", "accuracy", "builtin", "all", "float16"], "DT"),
     (["multiple", "inference", "accuracy", "builtin", "all", "float32", "middle"], "CHANNELS"),
@@ -116,7 +117,8 @@ def test_training_is_not_supported_yet():
     assert r.stdout == "" and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("suite,pkg", [("torchvision", "torchvision"), ("timm_models", "timm")])
+@pytest.mark.parametrize("suite,pkg", [("torchvision", "torchvision"), ("timm_models", "timm"),
+                                       ("huggingface", "transformers")])
 def test_missing_suite_package_is_a_clear_skip(suite, pkg):
     if importlib.util.find_spec(pkg) is not None:
         pytest.skip(f"{pkg} is installed")
@@ -230,4 +232,21 @@ def test_int8_accuracy_end_to_end():
     assert r.returncode == 0, r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1].split(",")
     assert last[:4] == ["cpu", "maml_omniglot", "2", "pass"], r.stderr[-2000:]
+    assert int(last[4]) > 0 and last[5:] == ["1", "0"]
+
+
+def test_int8_of_the_huggingface_suite_is_refused():
+    r = run("multiple", "inference", "accuracy", "huggingface", "bert", "int8")
+    assert r.returncode == 2 and "not supported yet" in r.stderr and "huggingface" in r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+def test_huggingface_accuracy_end_to_end():
+    """DistilBERT from its config, token ids and a mask (batch 1, sequence 128), C++ wrapper."""
+    pytest.importorskip("transformers")
+    r = run("single", "inference", "accuracy", "huggingface", "distilbert", "float32", "first",
+            "static", "cpp", 0, "cpu_layout", *FAST, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1].split(",")
+    assert last[:4] == ["cpu", "distilbert", "1", "pass"], r.stderr[-2000:]
     assert int(last[4]) > 0 and last[5:] == ["1", "0"]

@@ -28,7 +28,7 @@ aten = torch.ops.aten
 OPS = ("EXPECT BLOB SYM_DIM SYM_SCALAR ORDERED ORDERED_PERM GIVE RESET CONV KERNEL REDUCTION LAYER_NORM "
        "RESHAPE PERMUTE UNSQUEEZE REORDER REORDER_PERM POOL_KERNEL MAX_POOL AVG_POOL CAT CAT_SHIM "
        "AS_STRIDED UPSAMPLE INDEX MM ADDMM ALIAS SLICE CLONE SHUFFLE CHECK OUT ATEN_CONV GROUP_NORM "
-       "SOFTMAX OUT_EAGER QCONV QMAX_POOL").split()
+       "SOFTMAX OUT_EAGER QCONV QMAX_POOL BMM SELECT ROLL SDPA EXPAND").split()
 OP = {name: i + 1 for i, name in enumerate(OPS)}
 
 ES = {torch.float32: 4, torch.bfloat16: 2}
@@ -509,22 +509,23 @@ class SegmentEncoder:
         lay = n.out.layout if n.out.layout in L.LABELS else L.CONTIGUOUS
         self.p.op("UPSAMPLE", out, x, int(a[1][0]), int(a[1][1]), _cl(lay))
 
-    def index(self, n: ir.Aten):
-        a = n.args
-        x = self.read(n, a[0])
-        idx = [-1 if i is None else self.reg[i] for i in a[1]]
+    def index(self, n: ir.Aten, indices=None):
+        """x[indices] (`indices`: n's own second argument unless given; None: a whole dim)."""
+        x = self.read(n, n.args[0])
+        idx = [-1 if i is None else self.reg[i] for i in (n.args[1] if indices is None else indices)]
         out = self.out_reg(n)
         self.fresh.add(n.out)
         self.p.op("INDEX", out, x, len(idx), idx, self.p.name(f"{n.name}: index"))
 
     def matmul(self, n: ir.Aten):
         a = n.args
-        mm = n.target is aten.mm.default
-        regs = [self.read(n, b) for b in (a[:2] if mm else a[:3])]
+        plain = {aten.mm.default: "MM", aten.bmm.default: "BMM"}.get(n.target)
+        regs = [self.read(n, b) for b in (a[:2] if plain else a[:3])]
         out = self.out_reg(n)
         fresh = self.fresh_flag(n.out)
-        if mm:
-            self.p.op("MM", out, regs[0], regs[1], ES[n.out.dtype], fresh, self.p.name(f"{n.name}: mm"))
+        if plain:
+            self.p.op(plain, out, regs[0], regs[1], ES[n.out.dtype], fresh,
+                      self.p.name(f"{n.name}: {plain.lower()}"))
         else:
             beta = float(a[3]) if len(a) > 3 else 1.0
             alpha = float(a[4]) if len(a) > 4 else 1.0
@@ -539,11 +540,25 @@ class SegmentEncoder:
     def split_piece(self, n: ir.Getitem, dim: int, start: int, end: int):
         self.view_of(n.out, n.inputs[0])
         x = self.reg[n.inputs[0]]
-        self.p.op("SLICE", self.out_reg(n), x, dim, start, end)
+        self.p.op("SLICE", self.out_reg(n), x, dim, start, end, 1)
 
-    def slice(self, n: ir.Aten, dim: int, start: int, end):
+    def slice(self, n: ir.Aten, dim: int, start: int, end, step: int = 1):
         x = self.read_aliased(n, n.args[0])
-        self.p.op("SLICE", self.out_reg(n), x, dim, start, INT64_MAX if end is None else int(end))
+        self.p.op("SLICE", self.out_reg(n), x, dim, start, INT64_MAX if end is None else int(end), step)
+
+    def select(self, n: ir.Aten):
+        x = self.read_aliased(n, n.args[0])
+        self.p.op("SELECT", self.out_reg(n), x, n.args[1] % n.args[0].rank, n.args[2])
+
+    def expand(self, n: ir.Aten):
+        x = self.read_aliased(n, n.args[0])
+        self.p.op("EXPAND", self.out_reg(n), x, len(n.args[1]), n.args[1])
+
+    def roll(self, n: ir.Aten, order, dims, shifts):
+        x = self.read(n, n.args[0])
+        out = self.out_reg(n)
+        self.p.op("ROLL", out, x, n.out.rank, _cl(order), ES[n.out.dtype], self.fresh_flag(n.out),
+                  len(dims), dims, shifts)
 
     def clone(self, n: ir.Aten, order):
         x = self.read(n, n.args[0])

@@ -594,6 +594,9 @@ class _Builder:
                 continue
             z = e.var()  # 1 = "a copy of b in label l is needed"
             hard = (INF, 0.0, 0.0, 0.0) if l == 0 else (0.0, 0.0, INF, 0.0)
+            # Seed z's polarity from its hard terms: left to the colouring, the soft
+            # term to d could reach z first and put a hard term on the diagonal.
+            e.fixed_pol[z] = 1 - self.pol[var_consumers[0]] if l == 0 else self.pol[var_consumers[0]]
             for c in var_consumers:  # consumer in label l forces z = 1
                 e.add_pairwise(c, z, *hard)
             if d is None:
