@@ -21,7 +21,7 @@ from cpu_layout import attention, ir, runtime
 from cpu_layout import op_table as T
 from cpu_layout import layout as L
 from cpu_layout.codegen import expr as E
-from cpu_layout.patterns import FLOAT, Patterns, Picked, drop_copies_of_whole
+from cpu_layout.patterns import FLOAT, Patterns, Picked, drop_copies_of_whole, share_constant_calls
 
 aten = torch.ops.aten
 
@@ -469,6 +469,7 @@ class Lowering(Patterns):
                 self.g.add(ir.Output("output", ir.values_of(vals), None, values=vals))
             else:
                 raise NotImplementedError(f"FX node kind {n.op}")
+        share_constant_calls(self.g)
         drop_copies_of_whole(self.g)
         self.g.remove_dead()  # e.g. index ramps a recognised upsample no longer reads
         return self.g

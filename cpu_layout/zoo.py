@@ -72,13 +72,15 @@ def import_transformers():
 
 # name -> (model class, config class, config overrides, decoder input: encoder-decoder
 # models take decoder_input_ids too). Defaults are each architecture's base config
-# (BERT-base, GPT-2 small, T5-small, BART-base ...); the Llama-architecture decoder
+# (BERT-base, GPT-2 small, T5-small, BART-base ...; ALBERT's default is xxlarge, so
+# albert-base-v2's sizes are given); the Llama-architecture decoder
 # is a small one (8 layers, hidden 768, grouped-query attention with 4 KV heads).
 HF_MODELS = {
     "bert": ("BertForSequenceClassification", "BertConfig", {}, False),
     "roberta": ("RobertaForSequenceClassification", "RobertaConfig", {}, False),
     "distilbert": ("DistilBertForSequenceClassification", "DistilBertConfig", {}, False),
-    "albert": ("AlbertForSequenceClassification", "AlbertConfig", {}, False),
+    "albert": ("AlbertForSequenceClassification", "AlbertConfig",  # albert-base-v2's sizes
+               dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072), False),
     "electra": ("ElectraForSequenceClassification", "ElectraConfig", {}, False),
     "t5_encoder": ("T5EncoderModel", "T5Config", {}, False),
     "t5": ("T5ForConditionalGeneration", "T5Config", {}, True),
