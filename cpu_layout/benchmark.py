@@ -324,12 +324,13 @@ class OpenVINOCompiled(Compiled):
         brgconv_avx512_1x1_f32"), from its own counters (PERF_COUNT), on a model
         compiled for it: counting costs time, so the timed one never counts."""
         req = self._compile(x, PERF_COUNT=True).create_infer_request()
-        xn = self.prepare_input(x).numpy()
+        xi = self.prepare_input(x)
+        xn = [t.numpy() for t in (xi if isinstance(xi, tuple) else (xi,))]
         for _ in range(3):
-            req.infer([xn])
+            req.infer(xn)
         per: Dict[str, float] = {}
         for _ in range(iters):
-            req.infer([xn])
+            req.infer(xn)
             for p in req.profiling_info:
                 key = f"{p.node_type} {p.exec_type}"
                 per[key] = per.get(key, 0.0) + p.real_time.total_seconds() * 1e3 / iters

@@ -94,8 +94,24 @@ class Patterns:
             s.users.append(conv)
         return Picked({0: xb})
 
+    def _transposed_weight(self, name: str, w: ir.Buffer) -> ir.Buffer:
+        """W^T as a contiguous constant (computed once per change of W): a [K, N]
+        weight read as [N, K] by the 1x1 conv. ATen's addmm on the [K, N] weight
+        ran GPT-2's MLP products at 0.35x the conv's speed (7.8 vs 2.8 ms for
+        128x768 by 768x3072, EPYC Zen 5, 1 thread). It costs a copy of W beside
+        oneDNN's packed one."""
+        k, nout = w.size
+        wt = self.g.new_buffer(size=(nout, k), dtype=w.dtype, eager_stride=(1, nout))
+        self.g.add(ir.Aten(f"{name}_wt", [w], wt, rule=ir.VIEW, target=aten.permute.default, args=(w, [1, 0])))
+        out = self.g.new_buffer(size=(nout, k), dtype=w.dtype, eager_stride=L.contiguous_strides((nout, k)))
+        self.g.add(ir.Aten(f"{name}_wtc", [wt], out, rule=ir.EAGER, target=aten.clone.default, args=(wt,),
+                           kwargs={"memory_format": torch.contiguous_format}))
+        wt.constant = out.constant = True
+        return out
+
     def _linear_as_conv(self, n: FxNode):
-        """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights: a 1x1 conv on
+        """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights (or a module
+        weight W as it is: `_transposed_weight`): a 1x1 conv on
         oneDNN (a GEMM over channels with fused bias and post-ops). [M, K]
         row-major is [1, K, 1, M] channels-last, so the views in and out are
         free when the conv computes channels-last. K and the output features
@@ -108,10 +124,13 @@ class Patterns:
         xb, wtb = self.env[x], self.env[wt]
         bb = self.env[bias] if bias is not None else None
         tnode = wtb.producer
-        if not (isinstance(tnode, ir.Aten) and tnode.target in (aten.t.default, aten.permute.default)
+        if (isinstance(tnode, ir.Aten) and tnode.target in (aten.t.default, aten.permute.default)
                 and permutation_of(tnode.target, tnode.args, 2) == (1, 0)):
+            w = tnode.inputs[0]
+        elif wtb.constant and wtb.rank == 2 and not xb.constant and all(type(s) is int for s in wtb.size):
+            w = self._transposed_weight(n.name, wtb)  # GPT-2's Conv1D: addmm(b, x, W), W [in, out]
+        else:
             return None
-        w = tnode.inputs[0]
         v = self._val(n)
         # A linear on module state alone (swin_v2's position-bias MLP over a
         # coordinate table) stays an ATen matmul: a constant node, computed once.

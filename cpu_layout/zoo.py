@@ -229,8 +229,12 @@ def default_input_shape(suite: str, name: str, model: torch.nn.Module,
 
 def model_and_input(suite: str, name: str, batch: int, size: Optional[int] = None):
     """(model in eval mode, example input at `batch`) for a model of `suite`
-    (builtin, torchvision or timm) at its default input shape; `size` replaces
-    the spatial sizes. The one place the benchmark scripts get a model from."""
+    (builtin, torchvision, timm or huggingface) at its default input shape; `size`
+    replaces the spatial sizes (huggingface: the sequence length, 128 by default;
+    the input is a tuple of tensors). The one place the benchmark scripts get a
+    model from."""
+    if suite == "huggingface":
+        return build_hf(name), hf_inputs(name, batch, size or 128)
     if suite == "builtin":
         from cpu_layout import models
 

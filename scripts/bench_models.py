@@ -188,7 +188,7 @@ def build(args, name):
     """(model, batch size -> example input, batch size) for one model of args.suite
     (huggingface: the input is (token ids, attention mask[, decoder ids]))."""
     if args.suite == "huggingface":
-        return (zoo.build_hf(name), lambda bs: zoo.hf_inputs(name, bs, args.seq),
+        return (zoo.build_hf(name), lambda bs: zoo.model_and_input(args.suite, name, bs, args.seq)[1],
                 args.batch or 1)
     if args.suite == "builtin":
         return (models.build(name)[0], lambda bs: models.build(name, batch_size=bs)[1],

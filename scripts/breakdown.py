@@ -1,6 +1,6 @@
 """Where a compiled forward spends its time, from the runtime's own counters.
 
-    python scripts/breakdown.py [--suite torchvision|timm|builtin] --models a,b [--batch 1]
+    python scripts/breakdown.py [--suite torchvision|timm|builtin|huggingface] --models a,b [--batch 1]
                                 [--size N] [--threads 1] [--dtype float32|amp] [--iters 20]
                                 [--wrapper python|cpp] [--entry compile|exported] [--openvino]
 
@@ -46,6 +46,11 @@ SEGMENT_KINDS = {
 }
 
 
+def args_of(x) -> tuple:
+    """The model's positional inputs: one image batch, or (token ids, mask[, decoder ids])."""
+    return x if isinstance(x, tuple) else (x,)
+
+
 def _segment_kinds(profile: dict, iters: int) -> dict:
     """ms per forward per kind from program.take_profile(); "segment runtime" is
     the runs' time outside their instructions."""
@@ -77,7 +82,7 @@ def _print_openvino(model, x, args) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default="torchvision", choices=("builtin", "torchvision", "timm"))
+    ap.add_argument("--suite", default="torchvision", choices=("builtin", "torchvision", "timm", "huggingface"))
     ap.add_argument("--models", required=True, help="comma-separated names in the suite")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--size", type=int, default=None, help="spatial size [the model's default]")
@@ -124,11 +129,11 @@ def main(argv=None):
                 if args.entry == "exported":
                     import cpu_layout
 
-                    fn = cpu_layout.compile_exported(torch.export.export(model, (x,)), {"cpp_wrapper": cpp})
+                    fn = cpu_layout.compile_exported(torch.export.export(model, args_of(x)), {"cpp_wrapper": cpp})
                 else:
                     fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
                 for _ in range(3):
-                    fn(x)
+                    fn(*args_of(x))
                 runtime.PROFILE.clear()
                 if cpp:
                     program.set_profiling(True)
@@ -138,7 +143,7 @@ def main(argv=None):
                 c0 = runtime.COPIES["count"]
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
-                    fn(x)
+                    fn(*args_of(x))
                 wall = (time.perf_counter() - t0) / args.iters * 1e3
         finally:
             backend.compile_graph = real
@@ -151,7 +156,8 @@ def main(argv=None):
         if not cpp:
             per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
         plans = [c.cpu_layout_graph.plan for c in graphs if hasattr(c.cpu_layout_graph, "plan")]
-        print(f"{name} ({args.suite}, {args.dtype}, batch {x.shape[0]}, {tuple(x.shape[2:])}, "
+        print(f"{name} ({args.suite}, {args.dtype}, batch {args_of(x)[0].shape[0]}, "
+              f"{tuple(args_of(x)[0].shape[1 if isinstance(x, tuple) else 2:])}, "
               f"{args.threads} threads, {args.wrapper} wrapper, {args.entry}): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
               f"{copies:.0f} layout copies per forward")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
