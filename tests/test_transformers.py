@@ -107,3 +107,21 @@ def test_gpt2_conv1d_weights_run_as_convs(compiled_graphs):
         assert sum(isinstance(n, ir.Conv) for n in nodes) >= 4 * 2  # 4 Conv1D per layer
         model.model.transformer.h[1].mlp.c_fc.weight.mul_(-1)
         torch.testing.assert_close(fn(*x), model(*x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_a_dynamic_sequence_length_compiles_once(name, cpp, compiled_graphs):
+    """mark_dynamic on the sequence dim: new lengths run the one graph, eager's values
+    and strides."""
+    model = zoo.build_hf(name, tiny=True)
+    fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+    with torch.inference_mode():
+        for seq in (12, 17, 20):
+            args = zoo.hf_inputs(name, 2, seq)
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 1)
+            got, ref = fn(*args), model(*args)
+            assert got.shape == ref.shape and got.stride() == ref.stride()
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert len(compiled_graphs) == 1
