@@ -727,12 +727,12 @@ static void group_norm(int64_t N, int64_t C, int64_t S, int64_t G, bool CL, int6
 // Softmax (LOG: log_softmax) along the middle dim of a contiguous [outer, D, inner] tensor,
 // as ATen computes it: the float32 maximum (NaN propagates), the sum of exp(x - max) in order,
 // then exp(x - max) / sum (log: x - max - log(sum)). inner == 1: one dense row per outer index
-// (exp computed twice rather than staged: no scratch for rows of any length); otherwise IB lanes
+// (exp staged on the stack for rows up to ROW_STAGE, computed twice for longer ones); otherwise IB lanes
 // of inner at a time, the reductions vectorised across them. Threads take (outer, lane block).
 template <class T, bool LOG>
 static void softmax(int64_t outer, int64_t D, int64_t inner, const T* x, T* y) {
   if (outer * D * inner == 0) return;
-  enum { IB = 64 };
+  enum { IB = 64, ROW_STAGE = 1024 };
   const int64_t nb = (inner + IB - 1) / IB, items = outer * nb;
   auto work = [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
@@ -741,10 +741,20 @@ static void softmax(int64_t outer, int64_t D, int64_t inner, const T* x, T* y) {
       T* yo = y + o * D * inner;
       if (inner == 1) {
         float m = -INFINITY;
-        bool nan = false;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int64_t d = 0; d < D; ++d) { const float v = ld(xo[d]); m = v > m ? v : m; nan |= v != v; }
+        int nan = 0;  // an int sum, not a bool or: GCC vectorises this loop only so
+#pragma omp simd reduction(max : m) reduction(+ : nan)
+        for (int64_t d = 0; d < D; ++d) { const float v = ld(xo[d]); m = v > m ? v : m; nan += v != v; }
         if (nan) m = NAN;
+        if (!LOG && D <= ROW_STAGE) {  // a row that fits: exp once, staged
+          float e[ROW_STAGE];
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < D; ++d) { e[d] = std::exp(ld(xo[d]) - m); sum += e[d]; }
+          const float inv = 1.f / sum;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) yo[d] = cvt<T>(e[d] * inv);
+          continue;
+        }
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t d = 0; d < D; ++d) sum += std::exp(ld(xo[d]) - m);
