@@ -2,8 +2,8 @@
 
 `scaled_dot_product_attention` reaches the backend as
 `_scaled_dot_product_flash_attention_for_cpu` (torch's flash attention for CPUs,
-tiled over keys with fp32 accumulation): Llama, BART and ViT's attention in
-transformers and torchvision. Its second result (the log-sum-exp a backward
+tiled over keys with fp32 accumulation): the attention of transformers' models
+(BERT, GPT-2, T5, BART, Llama with its default "sdpa"). Its second result (the log-sum-exp a backward
 needs) is unused in inference, so the call lowers to `flash_attention`, one
 tensor out, that runs in C++ segments through libtorch's C shim (instruction
 SDPA): the same kernel eager runs, without leaving the segment. Its output
