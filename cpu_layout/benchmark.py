@@ -157,9 +157,14 @@ def prepare_model(model: torch.nn.Module, dtype: str, channels_last: bool) -> to
     return m
 
 
+def as_args(x) -> tuple:
+    """A model's positional inputs: one tensor, or a tuple of them (token ids, a mask...)."""
+    return x if isinstance(x, tuple) else (x,)
+
+
 def call_with(fn: Callable, x):
-    """fn(x), or fn(*x) for a model taking several tensors (token ids and a mask)."""
-    return fn(*x) if isinstance(x, tuple) else fn(x)
+    """fn on the inputs `x` (as_args)."""
+    return fn(*as_args(x))
 
 
 def prepare_input(x, dtype: str, channels_last: bool, dynamic: bool):
@@ -303,8 +308,7 @@ class OpenVINOCompiled(Compiled):
             self._ov_model = self._compile(x)
             self.compiles += 1
         self.runs += 1
-        arrays = [t.numpy() for t in x] if isinstance(x, tuple) else x.numpy()
-        return torch.from_numpy(self._ov_model(arrays)[0])  # a fresh array per call
+        return torch.from_numpy(self._ov_model([t.numpy() for t in as_args(x)])[0])  # a fresh array per call
 
     def _compile(self, x: torch.Tensor, **extra):
         import openvino as ov
@@ -313,7 +317,7 @@ class OpenVINOCompiled(Compiled):
         # first call runs inside the autocast region) may have on
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             m = ov.convert_model(self.model, example_input=x)
-        shapes = [[-1 if self.dynamic else t.shape[0], *t.shape[1:]] for t in (x if isinstance(x, tuple) else (x,))]
+        shapes = [[-1 if self.dynamic else t.shape[0], *t.shape[1:]] for t in as_args(x)]
         m.reshape({port: shape for port, shape in zip(m.inputs, shapes)})
         cfg = {"INFERENCE_PRECISION_HINT": "f32" if self.dtype == "float32" else "bf16",
                "INFERENCE_NUM_THREADS": torch.get_num_threads(), **extra}
@@ -324,8 +328,7 @@ class OpenVINOCompiled(Compiled):
         brgconv_avx512_1x1_f32"), from its own counters (PERF_COUNT), on a model
         compiled for it: counting costs time, so the timed one never counts."""
         req = self._compile(x, PERF_COUNT=True).create_infer_request()
-        xi = self.prepare_input(x)
-        xn = [t.numpy() for t in (xi if isinstance(xi, tuple) else (xi,))]
+        xn = [t.numpy() for t in as_args(self.prepare_input(x))]
         for _ in range(3):
             req.infer(xn)
         per: Dict[str, float] = {}
@@ -454,7 +457,7 @@ class ExportedCompiled(Compiled):
     def _compile(self, x) -> None:
         from cpu_layout.exported import compile_exported
 
-        ep = torch.export.export(self.model, x if isinstance(x, tuple) else (x,))
+        ep = torch.export.export(self.model, as_args(x))
         self._compiled = compile_exported(ep, _cpu_layout_options(self.options, self.wrapper))
         self.compiles += 1
 

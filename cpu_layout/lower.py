@@ -38,10 +38,11 @@ CONSTANT_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_
 # Factories that read only another tensor's metadata (new_zeros, zeros_like, ...):
 # with a static, contiguous result they are `full`, a constant of the graph
 # (Swin's shifted-window mask, built from x.new_zeros every forward in eager).
-# aten overload -> position of the fill value (None: the value given).
+# aten overload -> the value it fills with
 METADATA_FACTORIES = {aten.new_zeros.default: 0, aten.new_ones.default: 1,
-                      aten.new_full.default: None, aten.zeros_like.default: 0,
-                      aten.ones_like.default: 1, aten.full_like.default: None}
+                      aten.zeros_like.default: 0, aten.ones_like.default: 1}
+# aten overload -> the position of its fill_value argument
+METADATA_FULL = {aten.new_full.default: 2, aten.full_like.default: 1}
 
 # aten overload -> reduction kind of ir.Reduction (float32 accumulation).
 REDUCTIONS = {
@@ -310,10 +311,11 @@ class Lowering(Patterns):
         if (not isinstance(v, torch.Tensor) or not all(type(s) is int for s in v.shape)
                 or tuple(v.stride()) != L.contiguous_strides(tuple(v.shape))):
             return None
-        fill = METADATA_FACTORIES[n.target]
-        if fill is None:  # new_full(x, size, value) / full_like(x, value)
-            fill = n.args[2 if n.target is aten.new_full.default else 1] if len(n.args) > (
-                2 if n.target is aten.new_full.default else 1) else n.kwargs.get("fill_value")
+        pos = METADATA_FULL.get(n.target)
+        if pos is None:
+            fill = METADATA_FACTORIES[n.target]
+        else:
+            fill = n.args[pos] if len(n.args) > pos else n.kwargs.get("fill_value")
             if type(fill) not in (int, float, bool):
                 return None
         return self._aten(n, ir.EAGER, target=aten.full.default, args=(list(v.shape), fill),
@@ -324,7 +326,7 @@ class Lowering(Patterns):
         t = n.target
         if t is attention.FLASH:
             return attention.lower(self, n)
-        if t in METADATA_FACTORIES:
+        if t in METADATA_FACTORIES or t in METADATA_FULL:
             r = self._metadata_factory(n)
             if r is not None:
                 return r

@@ -243,17 +243,8 @@ def roll_args(n: ir.Aten):
     return [d % n.args[0].rank for d in dims], list(shifts)
 
 
-def result_order(n: ir.Aten) -> Optional[str]:
-    """The named order a call's result is allocated in: its planned label, or for
-    an EAGER call the label whose strides are exactly eager's; else None."""
-    if n.out.layout in L.LABELS:
-        return n.out.layout
-    if n.out.layout == ir.EAGER and n.out.eager_stride is not None:
-        size, stride = n.out.size, tuple(n.out.eager_stride)
-        for label, strides in ((L.CONTIGUOUS, L.contiguous_strides), (L.CHANNELS_LAST, L.channels_last_strides)):
-            if (label == L.CONTIGUOUS or len(size) in (4, 5)) and tuple(strides(size)) == stride:
-                return label
-    return None
+def _eager_contiguous(b: ir.Buffer) -> bool:
+    return b.eager_stride is not None and L.same_sizes(b.eager_stride, L.contiguous_strides(b.size))
 
 
 def _roll_in_cpp(n):
@@ -261,8 +252,7 @@ def _roll_in_cpp(n):
     # format while its meta function (the fake strides planned with) says contiguous.
     x = n.args[0]
     return (not n.multi and float_tensor(n.out) and float_tensor(x) and roll_args(n) is not None
-            and result_order(n) == L.CONTIGUOUS and x.eager_stride is not None
-            and tuple(x.eager_stride) == tuple(L.contiguous_strides(x.size)))
+            and n.out.layout in (ir.EAGER, L.CONTIGUOUS) and _eager_contiguous(x) and _eager_contiguous(n.out))
 
 
 def _expand_in_cpp(n):  # static sizes: a view with stride-0 dims
@@ -350,7 +340,7 @@ OPS: Dict[object, AtenOp] = {
                               encode=lambda em, n, s: em.slice(n, *strided_slice(n))),
     aten.expand.default: AtenOp(ir.EAGER, in_cpp=_expand_in_cpp, encode=lambda em, n, s: em.expand(n)),
     aten.select.int: AtenOp(ir.EAGER, in_cpp=_select_in_cpp, encode=lambda em, n, s: em.select(n)),
-    aten.roll.default: AtenOp(ir.EAGER, in_cpp=_roll_in_cpp, encode=lambda em, n, s: em.roll(n, result_order(n), *roll_args(n))),
+    aten.roll.default: AtenOp(ir.EAGER, in_cpp=_roll_in_cpp, encode=lambda em, n, s: em.roll(n, *roll_args(n))),
     aten.as_strided.default: AtenOp(ir.EAGER, in_cpp=_as_strided_in_cpp, encode=lambda em, n, s: em.as_strided(n, s)),
     aten._unsafe_index.Tensor: AtenOp(ir.EAGER, in_cpp=_index_in_cpp, encode=lambda em, n, s: em.index(n)),
     aten.index.Tensor: AtenOp(ir.EAGER, in_cpp=_index_in_cpp, encode=lambda em, n, s: em.index(n)),

@@ -439,6 +439,7 @@ def share_constant_calls(g: ir.Graph) -> None:
     each time, and each result was a weight of its own: packed once per call site
     by oneDNN (ALBERT-xxlarge held 11 GB for 0.9 GB of parameters)."""
     seen = {}
+    outputs = set(ir.values_of(g.output.values))
 
     def key(v):
         if isinstance(v, ir.Buffer):
@@ -455,7 +456,7 @@ def share_constant_calls(g: ir.Graph) -> None:
             continue
         k = (n.target, n.rule, key(n.args), key(n.kwargs))
         first = seen.setdefault(k, n)
-        if first is not n and n.out not in set(ir.values_of(g.output.values)):
+        if first is not n and n.out not in outputs:
             g.replace_all_uses(n.out, first.out)
             g.remove(n)
 

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from cpu_layout import benchmark as B
 from cpu_layout import runtime, zoo
 
 
@@ -44,11 +45,6 @@ SEGMENT_KINDS = {
     "ATen (C shim)": ("MAX_POOL", "AVG_POOL", "CAT_SHIM", "UPSAMPLE", "INDEX", "MM", "BMM", "ADDMM"),
     "segment bookkeeping": ("EXPECT", "BLOB", "SYM_DIM", "SYM_SCALAR", "GIVE", "RESET", "CHECK", "OUT"),
 }
-
-
-def args_of(x) -> tuple:
-    """The model's positional inputs: one image batch, or (token ids, mask[, decoder ids])."""
-    return x if isinstance(x, tuple) else (x,)
 
 
 def _segment_kinds(profile: dict, iters: int) -> dict:
@@ -68,8 +64,6 @@ def _segment_kinds(profile: dict, iters: int) -> dict:
 
 def _print_openvino(model, x, args) -> None:
     """OpenVINO's layers on the same input, by type and kernel (PERF_COUNT)."""
-    from cpu_layout import benchmark as B
-
     try:
         per = B._openvino(model, args.dtype, False).layer_profile(x, args.iters)
     except B.NotSupportedYet as exc:
@@ -129,11 +123,11 @@ def main(argv=None):
                 if args.entry == "exported":
                     import cpu_layout
 
-                    fn = cpu_layout.compile_exported(torch.export.export(model, args_of(x)), {"cpp_wrapper": cpp})
+                    fn = cpu_layout.compile_exported(torch.export.export(model, B.as_args(x)), {"cpp_wrapper": cpp})
                 else:
                     fn = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
                 for _ in range(3):
-                    fn(*args_of(x))
+                    fn(*B.as_args(x))
                 runtime.PROFILE.clear()
                 if cpp:
                     program.set_profiling(True)
@@ -143,7 +137,7 @@ def main(argv=None):
                 c0 = runtime.COPIES["count"]
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
-                    fn(*args_of(x))
+                    fn(*B.as_args(x))
                 wall = (time.perf_counter() - t0) / args.iters * 1e3
         finally:
             backend.compile_graph = real
@@ -156,8 +150,8 @@ def main(argv=None):
         if not cpp:
             per = {k: v[0] / args.iters * 1e3 for k, v in runtime.PROFILE.items()}
         plans = [c.cpu_layout_graph.plan for c in graphs if hasattr(c.cpu_layout_graph, "plan")]
-        print(f"{name} ({args.suite}, {args.dtype}, batch {args_of(x)[0].shape[0]}, "
-              f"{tuple(args_of(x)[0].shape[1 if isinstance(x, tuple) else 2:])}, "
+        print(f"{name} ({args.suite}, {args.dtype}, batch {B.as_args(x)[0].shape[0]}, "
+              f"{tuple(B.as_args(x)[0].shape[1 if isinstance(x, tuple) else 2:])}, "
               f"{args.threads} threads, {args.wrapper} wrapper, {args.entry}): {wall:.2f} ms per forward, {len(graphs)} graph(s), "
               f"{copies:.0f} layout copies per forward")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):

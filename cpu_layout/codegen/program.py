@@ -554,10 +554,11 @@ class SegmentEncoder:
         x = self.read_aliased(n, n.args[0])
         self.p.op("EXPAND", self.out_reg(n), x, len(n.args[1]), n.args[1])
 
-    def roll(self, n: ir.Aten, order, dims, shifts):
+    def roll(self, n: ir.Aten, dims, shifts):
+        """Into a contiguous result (`op_table._roll_in_cpp` admits no other)."""
         x = self.read(n, n.args[0])
         out = self.out_reg(n)
-        self.p.op("ROLL", out, x, n.out.rank, _cl(order), ES[n.out.dtype], self.fresh_flag(n.out),
+        self.p.op("ROLL", out, x, n.out.rank, _cl(L.CONTIGUOUS), ES[n.out.dtype], self.fresh_flag(n.out),
                   len(dims), dims, shifts)
 
     def clone(self, n: ir.Aten, order):
