@@ -28,3 +28,16 @@ def refresh() -> None:
     in-place update of an inference tensor inside torch.inference_mode(), or
     a write through `tensor.data` (see README, "Module state")."""
     importlib.import_module("cpu_layout.ops").refresh()
+
+
+def memory_stats(model=None) -> dict:
+    """Bytes the compiled graphs of `model` hold between calls, by kind (packed and
+    derived weights, arenas, pools, scratch, generated code) and in total; see
+    cpu_layout/memory.py for what is and is not counted."""
+    return importlib.import_module("cpu_layout.memory").memory_stats(model)
+
+
+def release_memory(model=None) -> int:
+    """Free the arenas, pools and scratch `model`'s compiled graphs keep between
+    calls (weights stay packed); the next call lays them out again. Returns bytes freed."""
+    return importlib.import_module("cpu_layout.memory").release_memory(model)

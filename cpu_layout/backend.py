@@ -49,7 +49,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
     """Lower, fuse, plan and generate the wrapper for one inference graph.
     `param_indices`: inputs that are module state (parameters, buffers, constants);
     by default aot_autograd's static inputs."""
-    from cpu_layout import fuse, lower, quant, schedule, threads
+    from cpu_layout import fuse, lower, memory, quant, schedule, threads
     from cpu_layout.codegen import wrapper
 
     threads.check_wait_policy()
@@ -82,6 +82,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: dict,
     call.cpu_layout_source = source
     call.cpu_layout_graph = g
     call.cpu_layout_cpp_wrapper = cpp
+    memory.register(call)
+    memory.after_compile()
     if config.log_enabled("compile"):
         print(f"cpu_layout: compiled graph with {len(g.nodes)} nodes in "
               f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)

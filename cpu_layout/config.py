@@ -86,7 +86,21 @@ def cache_dir() -> str:
 
 def arenas() -> bool:
     """CPU_LAYOUT_ARENAS=0: C++ segments keep their buffers in size-classed blocks
-    instead of one arena laid out from their first call (less memory held, up to
-    the 1.5x an arena can take; slower where large buffers are reused). Read when
-    the segment runtime loads."""
+    instead of one arena laid out from their first call (slower where large
+    buffers are reused). Read when the segment runtime loads."""
     return _unless_off("CPU_LAYOUT_ARENAS")
+
+
+ARENA_LAYOUTS = {"auto": 0, "recent": 1, "size": 2}
+
+
+def arena_layout() -> int:
+    """CPU_LAYOUT_ARENA_LAYOUT (for measurements): how a segment's arena is laid out,
+    `recent` (each buffer where one was released last: warm in cache), `size`
+    (largest first, lowest free offset: the smallest arena) or `auto` (recent,
+    unless that is more than 1/16 over the largest set of buffers live at once and
+    by size is smaller). Read when a graph compiles."""
+    v = os.environ.get("CPU_LAYOUT_ARENA_LAYOUT", "auto").strip().lower() or "auto"
+    if v not in ARENA_LAYOUTS:
+        raise ValueError(f"CPU_LAYOUT_ARENA_LAYOUT must be one of {sorted(ARENA_LAYOUTS)}, got {v!r}")
+    return ARENA_LAYOUTS[v]

@@ -154,9 +154,12 @@ class Conv(Node):
     dilation: tuple = ()
     groups: int = 1
     bn: Optional[BatchNormFold] = None
-    # cpp_wrapper mode: the batch-norm was folded by a constant node ahead of
-    # the conv (its weight and bias inputs are already folded); bn is then None.
+    # cpp_wrapper mode: the batch-norm, hoisted into a constant node ahead of the
+    # conv (segments._hoist_batch_norm; bn is then None), and the per-output-channel
+    # scale it makes, multiplied into the weight when it is packed (the conv's last
+    # input; bias is then the shift). Convs on ATen's oneDNN read a folded copy instead.
     prefolded: Optional[BatchNormFold] = None
+    weight_scale: Optional[Buffer] = None
     post_ops: list = field(default_factory=list)
     # A linear layer run as this 1x1 conv over [1, K, 1, M] (patterns._linear_as_conv).
     linear: bool = False

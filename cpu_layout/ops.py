@@ -489,7 +489,10 @@ def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, 
     return prob, residuals
 
 
-def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0, out=None):
+def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0, out=None,
+         weight_scale=None):
+    """`weight_scale`: float32 [out channels], multiplied into the weight when it is
+    packed (a folded batch-norm); the pair is cached by both tensors' serials."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("input and weight must be tensors")
     if bias is not None and not isinstance(bias, torch.Tensor):
@@ -519,6 +522,10 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
+    if weight_scale is not None and (weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+                                     or weight_scale.shape != (weight.shape[0],)):
+        raise ValueError(f"weight_scale must be a contiguous float32 tensor of {weight.shape[0]} values, "
+                         f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     res_ptrs = ffi.NULL
     if residuals:
         kept = []
@@ -537,12 +544,14 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
     y = empty_dense(prob.out_size, x.dtype, prob.dst_cl) if out is None else _checked_out(out, prob, x.dtype)
     if y.numel() == 0:  # an empty batch: oneDNN takes no zero-sized problem
         return y.squeeze(0) if unbatched else y
-    rc = lib.cl_conv_forward(
+    rc = lib.cl_conv_forward_scaled(
         prob.args,
         x.data_ptr(),
         weight.data_ptr(),
         _weight_serial(weight),
         content_version(weight),
+        weight_scale.data_ptr() if weight_scale is not None else 0,
+        _weight_serial(weight_scale) if weight_scale is not None else 0,
         bias.data_ptr() if bias is not None else 0,
         y.data_ptr(),
         res_ptrs,

@@ -147,6 +147,15 @@ def fold_batch_norm(w, b, bn_w, bn_b, mean, var, eps: float):
         return wf, shift.to(w.dtype).contiguous()
 
 
+def bn_scale_shift(b, bn_w, bn_b, mean, var, eps: float, dtype: torch.dtype):
+    """An inference batch-norm after a conv as the per-output-channel scale its
+    weight is multiplied by when packed (float32; the extension rounds the product
+    as `fold_batch_norm` does) and the conv's new bias (in `dtype`)."""
+    with torch.no_grad():
+        scale, shift = _bn_affine(bn_w, bn_b, mean, var, eps, conv_bias=b)
+        return scale.float().contiguous(), shift.to(dtype).contiguous()
+
+
 class GraphConstant:
     """A tensor attribute of the graph module (FX get_attr), returned as it is."""
 
@@ -209,9 +218,13 @@ class ConvCall:
         self.post_template = node.post_op_template(("add", None))
         self.n_residuals = len(node.residuals())
         self.has_bias = node.bias is not None
-        # Memoized: the same folded tensors come back while the sources are
-        # unchanged, so the extension's reordered-weight cache keeps hitting.
-        self.fold = (Memoized(functools.partial(fold_batch_norm, eps=node.bn.eps))
+        # Memoized: the same tensors come back while the sources are unchanged,
+        # so the extension's packed-weight cache keeps hitting. The extension's
+        # own convs pack the batch-norm's scale into the weight (no folded copy
+        # kept); ATen's take a folded weight.
+        self.scaled = node.impl != "aten"
+        fold = bn_scale_shift if self.scaled else fold_batch_norm
+        self.fold = (Memoized(functools.partial(fold, eps=node.bn.eps))
                      if node.bn is not None else None)
         self.bn_has = (node.bn.weight is not None, node.bn.bias is not None) if node.bn else None
         # torch's bundled oneDNN instead (schedule.choose_conv_impls): NHWC, no residuals.
@@ -221,11 +234,15 @@ class ConvCall:
     def __call__(self, x, w, *rest):
         rest = list(rest)
         b = rest.pop(0) if self.has_bias else None
+        scale = None
         if self.fold is not None:
             bn_w = rest.pop(0) if self.bn_has[0] else None
             bn_b = rest.pop(0) if self.bn_has[1] else None
             mean, var = rest.pop(0), rest.pop(0)
-            w, b = self.fold(w, b, bn_w, bn_b, mean, var)
+            if self.scaled:
+                scale, b = self.fold(b, bn_w, bn_b, mean, var, dtype=w.dtype)
+            else:
+                w, b = self.fold(w, b, bn_w, bn_b, mean, var)
         if self.aten_attr is not None:
             return ops.aten_conv2d(ops.to_dense(x, True), w, b, self.stride, self.padding, self.dilation,
                                    self.groups, self.aten_attr)
@@ -233,7 +250,7 @@ class ConvCall:
         if self.n_residuals:
             post = ir.with_residuals(post, rest)
         return ops._run(self.nsp, x, w, b, self.stride, self.padding, self.dilation, self.groups,
-                        post, self.out_layout, self.impl_rank)
+                        post, self.out_layout, self.impl_rank, weight_scale=scale)
 
 
 def empty_in_order(size, dtype, order: str) -> torch.Tensor:
@@ -495,6 +512,17 @@ class SegmentCall:
         self._held = self._buffers()
         # The program keeps its buffers between calls (clw::Pool); they go when this call does.
         weakref.finalize(self, rt.lib.cl_program_free, handle)
+
+    def held(self) -> tuple:
+        """(arena bytes, pooled block bytes, largest live set of arena buffers) the
+        program keeps between calls (csrc/cl_wrapper.h, Pool)."""
+        out = self.ffi.new("int64_t[3]")
+        self._rt_lib.cl_program_held(self._handle, out)
+        return int(out[0]), int(out[1]), int(out[2])
+
+    def release(self) -> None:
+        """Free the program's arena and pooled blocks; the next call lays them out again."""
+        self._rt_lib.cl_program_release(self._handle)
 
     def take_node_profile(self) -> List[tuple]:
         """(node, seconds) for each node of the segment since the last take, with

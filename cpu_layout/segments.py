@@ -50,7 +50,8 @@ def runs_in_cpp(n: ir.Node) -> bool:
     if isinstance(n, ir.Conv):
         w = n.weight
         return (n.bn is None and w.constant and P.weight_format(w) is not None
-                and all(T.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs())
+                and all(T.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs()
+                        if b is not n.weight_scale)  # the scale is float32 in every dtype
                 and (n.bias is None or n.bias.constant))
     if isinstance(n, ir.Kernel):  # float data, and the uint8 a (de)quantizing kernel loads or stores
         return all(T.float_tensor(b) or b.dtype is torch.uint8 for b in n.inputs + [n.out]) and n.out.rank <= 16
@@ -69,42 +70,55 @@ def runs_in_cpp(n: ir.Node) -> bool:
 # ---- rewrites ----------------------------------------------------------------------
 
 def _hoist_batch_norm(g: ir.Graph) -> None:
-    """Folded batch-norm as explicit constant nodes, so convs read plain weights."""
+    """Folded batch-norm as explicit constant nodes, so convs read plain weights.
+
+    A conv on the extension's oneDNN reads its own weight and a per-channel scale
+    the weight is multiplied by when packed (`runtime.bn_scale_shift`): the packed
+    copy is the only derived one. A conv on ATen's (or with a weight in neither
+    dense form) reads a folded copy (`runtime.fold_batch_norm`)."""
     for conv in [n for n in g.nodes if isinstance(n, ir.Conv) and n.bn is not None]:
         bn, w, b = conv.bn, conv.weight, conv.bias
         src = (w, b, bn.weight, bn.bias, bn.mean, bn.var)
         if not all(s is None or s.constant for s in src):
             continue
+        scaled = conv.impl != "aten" and P.weight_format(w) is not None
+        oc = w.size[0]
         pair = g.new_buffer("fold")
         pair.constant = True
+        if scaled:
+            src = src[1:]
+            fn = functools.partial(runtime.bn_scale_shift, eps=bn.eps, dtype=w.dtype)
+            outs = (g.new_buffer("scale", size=(oc,), dtype=torch.float32, eager_stride=(1,)),
+                    g.new_buffer("b", size=(oc,), dtype=w.dtype, eager_stride=(1,)))
+        else:
+            fn = functools.partial(runtime.fold_batch_norm, eps=bn.eps)
+            outs = (g.new_buffer("w", size=w.size, dtype=w.dtype, eager_stride=L.contiguous_strides(w.size)),
+                    g.new_buffer("b", size=(oc,), dtype=w.dtype, eager_stride=(1,)))
         fold = ir.Aten(f"{conv.name}_fold", [s for s in src if s is not None], pair, rule=ir.EAGER,
-                       target=runtime.Memoized(functools.partial(runtime.fold_batch_norm, eps=bn.eps)),
-                       args=src, multi=True)
-        oc = w.size[0]
-        new_w = g.new_buffer("w", size=w.size, dtype=w.dtype, eager_stride=L.contiguous_strides(w.size))
-        new_b = g.new_buffer("b", size=(oc,), dtype=w.dtype, eager_stride=(1,))
+                       target=runtime.Memoized(fn), args=src, multi=True)
         pos = g.nodes.index(conv)
         g.nodes.insert(pos, fold)
         for s in fold.inputs:
             s.users.append(fold)
         pair.producer = fold
-        for i, nb in enumerate((new_w, new_b)):
+        for i, nb in enumerate(outs):
             nb.constant = True
             nb.layout = ir.EAGER
             gi = ir.Getitem(f"{conv.name}_fold{i}", [pair], nb, index=i)
             g.nodes.insert(pos + 1 + i, gi)
             pair.users.append(gi)
             nb.producer = gi
-        for s in {x for x in (b, bn.weight, bn.bias, bn.mean, bn.var) if x is not None}:
+            nb.users.append(conv)
+        for s in {x for x in (w, b, bn.weight, bn.bias, bn.mean, bn.var) if x is not None}:
             while conv in s.users:
                 s.users.remove(conv)
-        residuals = conv.residuals()
-        conv.inputs = [conv.x, new_w, new_b] + residuals
-        while conv in w.users:
-            w.users.remove(conv)
-        new_w.users.append(conv)
-        new_b.users.append(conv)
-        conv.weight, conv.bias, conv.bn, conv.prefolded = new_w, new_b, None, bn
+        if scaled:
+            new_w, (scale, new_b) = w, outs
+            w.users.append(conv)
+        else:
+            (new_w, new_b), scale = outs, None
+        conv.inputs = [conv.x, new_w, new_b] + conv.residuals() + ([scale] if scale is not None else [])
+        conv.weight, conv.bias, conv.bn, conv.prefolded, conv.weight_scale = new_w, new_b, None, bn, scale
 
 
 def _symbol_sources(g: ir.Graph) -> Dict:

@@ -98,6 +98,11 @@ class StateKey:
             now = [ops.content_version(t) for t in ts]
         return now == versions and list(map(_DATA_PTR, ts)) == ptrs
 
+    def tensors(self) -> list:
+        """The tensors last remembered (memory.py reads what a graph's state is)."""
+        st = self._state
+        return list(st[2]) if st is not None else []
+
     def remember(self, values) -> None:
         mask = [isinstance(v, torch.Tensor) for v in values]
         mask = None if all(mask) else mask

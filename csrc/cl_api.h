@@ -94,6 +94,20 @@ typedef struct {
 int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight,
                     unsigned long long weight_id, long long weight_version,
                     uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
+/* The same with the weight's output channel o multiplied by weight_scale[o] (oc
+ * floats; a batch-norm folded into the packing: no folded copy is kept). scale_id
+ * names the scale tensor as weight_id names the weight: a new id repacks. */
+int cl_conv_forward_scaled(const cl_conv_args *args, uintptr_t src, uintptr_t weight,
+                           unsigned long long weight_id, long long weight_version,
+                           uintptr_t weight_scale, unsigned long long scale_id,
+                           uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
+
+/* Memory the extension holds between calls: the packed copies of the weights
+ * ids[0..n) (n < 0: all of them), and every thread's scratch buffers. */
+long long cl_weight_bytes(const unsigned long long *ids, long long n);
+long long cl_thread_buffer_bytes(void);
+/* Frees the calling thread's scratch buffers (the next conv grows them again). */
+void cl_release_thread_buffers(void);
 
 /* ---- int8 convolution (csrc/qconv.cpp) ----
  * PT2E's dequantize -> conv -> post-ops -> quantize as one oneDNN primitive:

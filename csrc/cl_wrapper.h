@@ -9,6 +9,9 @@
  * c10 headers that would multiply the runtime's compile time.
  */
 #include <cmath>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -68,7 +71,7 @@ AOTITorchError aoti_torch_cpu_index_Tensor(AtenTensorHandle, const AtenTensorHan
 namespace clw {
 
 typedef int (*conv_fn)(const cl_conv_args*, uintptr_t, uintptr_t, unsigned long long, long long,
-                       uintptr_t, uintptr_t, const uintptr_t*);
+                       uintptr_t, unsigned long long, uintptr_t, uintptr_t, const uintptr_t*);
 typedef const char* (*error_fn)(void);
 typedef int (*copy_fn)(uintptr_t, uintptr_t, int, const int64_t*, const int64_t*, const int64_t*, int);
 static conv_fn conv_forward = nullptr;
@@ -208,6 +211,13 @@ static inline int64_t storage_offset(const H& t) {
   return off;
 }
 
+// The allocator's free memory back to the system (glibc's malloc_trim; nothing elsewhere).
+static inline void release_free_memory() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+}
+
 // Buffers served from a segment's arena, over all segments (tests read it),
 // and whether segments lay out arenas at all (measurements switch it).
 static std::atomic<long long> g_arena_takes{0};
@@ -237,6 +247,8 @@ static std::atomic<int> g_arena_on{1};
 // escapes the segment) is never in the arena: only blocks own storage.
 class Pool {
  public:
+  // layout: 0 recent unless 1/16 over the largest live set, 1 recent, 2 by size (config.arena_layout).
+  explicit Pool(int layout = 0) : layout_(layout) {}
   // The instruction that runs next (its first word): what the layout keys on.
   void at(int64_t pc) { pc_ = pc; }
 
@@ -295,10 +307,21 @@ class Pool {
     if (cls == 0) { t.reset(); return; }
     warm_.push_back(Block{std::move(t), es, cls});
   }
+  // Bytes held between calls: the arena, the blocks kept for the next call, and
+  // the largest set of arena buffers live at once in the call it was laid out from
+  // (what the arena would be with no fragmentation).
+  struct Held { int64_t arena, blocks, live_peak; };
+  Held held() const {
+    Held h{arena_top_, 0, live_peak_};
+    for (const auto* v : {&warm_, &cold_})
+      for (const Block& b : *v) h.blocks += b.cls * b.es;
+    return h;
+  }
   // Call ends: what no allocation took in this call is freed; the first call's
   // record becomes the arena.
   void end_call() {
-    if (arena_on_ && !replaying_) {
+    const bool laid_out = arena_on_ && !replaying_;
+    if (laid_out) {
       lay_out();
     } else if (arena_on_) {
       const bool repeated = !diverged_ && k_ == trace_.size();
@@ -309,6 +332,12 @@ class Pool {
     k_ = 0;
     diverged_ = false;
     cold_.clear();
+    if (trim_ && !laid_out) {
+      // The first call's blocks, freed now that the arena serves: glibc keeps freed
+      // heap memory, so give it back once (densenet121: 12 MB resident otherwise).
+      trim_ = false;
+      release_free_memory();
+    }
     std::swap(cold_, warm_);
     const bool on = g_arena_on.load(std::memory_order_relaxed) != 0;
     if (on != arena_on_) forget_arena();
@@ -349,6 +378,9 @@ class Pool {
   // each in the free range released most recently that fits (ranges merged
   // with free neighbours), at the piece of it released last (a merged range's
   // other part is older), else at the end (growing a free range that ends there).
+  // That keeps a buffer where one just died (still in cache) but can fragment:
+  // resnet50's arena came out 1.5x its largest live set. When it is more than
+  // 1/16 larger than that set, a layout by size (`pack_by_size`) is used if smaller.
   void lay_out() {
     struct Range { int64_t off, size, when, hot; };  // hot: where the last piece released starts
     std::vector<Range> free;  // by offset
@@ -399,6 +431,22 @@ class Pool {
         if (at != free.begin() && std::prev(at)->off + std::prev(at)->size == at->off) merge(std::prev(at));
       }
     }
+    int64_t live = 0;
+    live_peak_ = 0;
+    for (const Event& e : trace_) {
+      if (!came_back[(size_t)e.id]) continue;
+      live += e.bytes > 0 ? size[(size_t)e.id] : -size[(size_t)e.id];
+      live_peak_ = std::max(live_peak_, live);
+    }
+    if (layout_ == 2 || (layout_ == 0 && top > live_peak_ + live_peak_ / 16)) {
+      std::vector<int64_t> by_size;
+      const int64_t packed_top = pack_by_size(came_back, size, by_size);
+      if (packed_top < top || layout_ == 2) {
+        offset_.swap(by_size);
+        top = packed_top;
+      }
+    }
+    arena_top_ = top;
     arena_.reset();
     base_ = nullptr;
     if (top > 0) {
@@ -407,10 +455,48 @@ class Pool {
       base_ = (char*)data(arena_);
     }
     replaying_ = true;
+    trim_ = true;
+  }
+  // Greedy by size, as TFLite's and OpenVINO's memory solvers do: largest buffer
+  // first, each at the lowest offset where it overlaps no placed buffer whose
+  // lifetime (allocation to release in the record) meets its own. Returns the top.
+  int64_t pack_by_size(const std::vector<char>& came_back, const std::vector<int64_t>& size,
+                       std::vector<int64_t>& offset) const {
+    const size_t n = (size_t)next_id_;
+    std::vector<int64_t> start(n, -1), end(n, -1);
+    for (size_t i = 0; i < trace_.size(); ++i) {
+      const size_t id = (size_t)trace_[i].id;
+      if (!came_back[id]) continue;
+      (trace_[i].bytes > 0 ? start : end)[id] = (int64_t)i;
+    }
+    std::vector<size_t> order;
+    for (size_t id = 0; id < n; ++id)
+      if (came_back[id] && start[id] >= 0 && end[id] >= 0) order.push_back(id);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return size[a] > size[b]; });
+    offset.assign(n, -1);
+    std::vector<size_t> placed;
+    std::vector<std::pair<int64_t, int64_t>> busy;  // [offset, end) of placed buffers live at the same time
+    int64_t top = 0;
+    for (size_t id : order) {
+      busy.clear();
+      for (size_t q : placed)
+        if (start[q] < end[id] && start[id] < end[q]) busy.emplace_back(offset[q], offset[q] + size[q]);
+      std::sort(busy.begin(), busy.end());
+      int64_t at = 0;
+      for (const auto& b : busy) {
+        if (b.first >= at + size[id]) break;
+        at = std::max(at, b.second);
+      }
+      offset[id] = at;
+      top = std::max(top, at + size[id]);
+      placed.push_back(id);
+    }
+    return top;
   }
   void forget_arena() {
     trace_.clear();
     offset_.clear();
+    arena_top_ = live_peak_ = 0;
     arena_.reset();
     base_ = nullptr;
     next_id_ = 0;
@@ -439,6 +525,9 @@ class Pool {
   std::vector<int64_t> offset_;             // buffer id -> offset in the arena, -1: not in it
   std::unordered_map<const void*, int64_t> live_;  // storage -> buffer id, of recorded/arena buffers alive
   H arena_;
+  int64_t arena_top_ = 0, live_peak_ = 0;
+  int layout_ = 0;
+  bool trim_ = false;  // the first call's blocks go at the end of the next: trim then
   char* base_ = nullptr;
   int64_t pc_ = -1, next_id_ = 0;
   size_t k_ = 0;                 // next event a replaying call must repeat
@@ -463,10 +552,12 @@ static inline H take_over(H& t, int nd, const int64_t* sz, bool cl) {
 // One pool per segment, taken for the length of a call. A second thread
 // running the segment at the same time finds the slot empty and works with a
 // pool of its own; whichever returns last keeps its pool.
-struct PoolSlot { std::atomic<Pool*> p{nullptr}; };  // never freed at exit: torch may be gone
+// The pool a program keeps between calls (never freed at exit: torch may be gone),
+// and how its arena is laid out (Pool::lay_out).
+struct PoolSlot { std::atomic<Pool*> p{nullptr}; int layout = 0; };
 class PoolLease {
  public:
-  explicit PoolLease(PoolSlot& s) : slot_(s), pool_(s.p.exchange(nullptr)) { if (!pool_) pool_ = new Pool; }
+  explicit PoolLease(PoolSlot& s) : slot_(s), pool_(s.p.exchange(nullptr)) { if (!pool_) pool_ = new Pool(s.layout); }
   ~PoolLease() { pool_->end_call(); delete slot_.p.exchange(pool_); }
   Pool* get() { return pool_; }
   Pool* operator->() { return pool_; }

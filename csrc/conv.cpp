@@ -66,13 +66,24 @@ size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
 
 // Grow-only per-thread buffer for scratchpads and bf16-emulation temporaries,
 // so the steady state allocates nothing per call.
+// Bytes all threads' buffers hold (cl_held_bytes reports them).
+std::atomic<long long> g_thread_buffer_bytes{0};
+
 struct ThreadBuffer {
     std::unique_ptr<uint8_t[]> data;
     size_t size = 0;
+    ~ThreadBuffer() { release(); }
+    void release() {
+        g_thread_buffer_bytes -= static_cast<long long>(size);
+        data.reset();
+        size = 0;
+    }
     uint8_t *get(size_t n) {
         if (n > size) {
+            release();
             data.reset(new uint8_t[n + 64]);
-            size = n;
+            size = n + 64;
+            g_thread_buffer_bytes += static_cast<long long>(size);
         }
         // 64-byte alignment for vector loads.
         uintptr_t p = reinterpret_cast<uintptr_t>(data.get());
@@ -573,6 +584,35 @@ std::shared_ptr<ConvEntry> get_entry(const cl_conv_args &a) {
     return e;
 }
 
+// The user's weight with output channel o multiplied by scale[o] (a batch-norm
+// folded in), in the user's format and dtype: a temporary the packing reads, so the
+// folded weight is never kept beside the packed one. Rounded as fold_batch_norm in
+// runtime.py rounds (the float product, then bf16 to nearest even).
+std::unique_ptr<uint8_t[]> scaled_copy(const memory::desc &user_md, long long oc, const void *user_ptr,
+                                       const float *scale) {
+    const size_t bytes = user_md.get_size();
+    const bool bf = user_md.get_data_type() == dt::bf16;
+    const size_t es = bf ? 2 : 4, n = bytes / es;
+    if (oc <= 0 || n % static_cast<size_t>(oc) != 0)
+        throw std::invalid_argument("weight scale: the weight does not split into its output channels");
+    const size_t per = n / static_cast<size_t>(oc);  // output channels are outermost in every user format
+    std::unique_ptr<uint8_t[]> out(new uint8_t[bytes]);
+    for (long long o = 0; o < oc; ++o) {
+        const float k = scale[o];
+        const size_t at = static_cast<size_t>(o) * per;
+        if (bf) {
+            const uint16_t *w = static_cast<const uint16_t *>(user_ptr) + at;
+            uint16_t *d = reinterpret_cast<uint16_t *>(out.get()) + at;
+            for (size_t j = 0; j < per; ++j) d[j] = clbf16::from_f32(clbf16::to_f32(w[j]) * k);
+        } else {
+            const float *w = static_cast<const float *>(user_ptr) + at;
+            float *d = reinterpret_cast<float *>(out.get()) + at;
+            for (size_t j = 0; j < per; ++j) d[j] = w[j] * k;
+        }
+    }
+    return out;
+}
+
 // The user's weight packed into what the primitive computes on (Winograd's transform,
 // merged groups' block-diagonal spread, or oneDNN's reorder).
 void pack_weight(const ConvEntry &e, const void *user_ptr, memory &packed) {
@@ -605,8 +645,11 @@ void pack_weight(const ConvEntry &e, const void *user_ptr, memory &packed) {
 
 class WeightCache {
    public:
+    // scale_id: the per-output-channel scale packed in (a folded batch-norm), 0 for none.
+    // A slot packed with another scale is replaced: the scale changed.
     memory get(unsigned long long id, long long version, const void *user_ptr, const memory::desc &wei_md,
-               const memory::desc &user_md, const std::function<void(memory &)> &pack) {
+               const memory::desc &user_md, unsigned long long scale_id,
+               const std::function<void(memory &)> &pack) {
         {
             std::lock_guard<std::mutex> g(mu_);
             Record &r = records_[id];
@@ -617,7 +660,7 @@ class WeightCache {
                 r.ptr = user_ptr;
             }
             for (auto &s : r.slots)
-                if (s.md == wei_md && s.user_md == user_md) return s.mem;
+                if (s.md == wei_md && s.user_md == user_md && s.scale_id == scale_id) return s.mem;
         }
         memory packed(wei_md, cpu_engine());
         pack(packed);
@@ -626,10 +669,33 @@ class WeightCache {
         Record &r = records_[id];
         if (r.version == version && r.ptr == user_ptr) {
             for (auto &sl : r.slots)
-                if (sl.md == wei_md && sl.user_md == user_md) return sl.mem;
-            r.slots.push_back({wei_md, user_md, packed});
+                if (sl.md == wei_md && sl.user_md == user_md) {
+                    if (sl.scale_id != scale_id) {
+                        sl.scale_id = scale_id;
+                        sl.mem = packed;
+                    }
+                    return sl.mem;
+                }
+            r.slots.push_back({wei_md, user_md, scale_id, packed});
         }
         return packed;
+    }
+    // Bytes of the packed copies of the weights in ids[0..n) (n < 0: of every weight).
+    long long bytes(const unsigned long long *ids, long long n) {
+        std::lock_guard<std::mutex> g(mu_);
+        long long total = 0;
+        auto add = [&](const Record &r) {
+            for (auto &s : r.slots) total += static_cast<long long>(s.md.get_size());
+        };
+        if (n < 0) {
+            for (auto &kv : records_) add(kv.second);
+        } else {
+            for (long long i = 0; i < n; ++i) {
+                auto it = records_.find(ids[i]);
+                if (it != records_.end()) add(it->second);
+            }
+        }
+        return total;
     }
     void release(unsigned long long id) {
         std::lock_guard<std::mutex> g(mu_);
@@ -649,6 +715,7 @@ class WeightCache {
    private:
     struct Slot {
         memory::desc md, user_md;
+        unsigned long long scale_id;
         memory mem;
     };
     struct Record {
@@ -710,7 +777,8 @@ void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, co
 }
 
 void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsigned long long weight_id,
-              long long weight_version, const void *bias, void *dst, const uintptr_t *residuals) {
+              long long weight_version, const float *scale, unsigned long long scale_id, const void *bias,
+              void *dst, const uintptr_t *residuals) {
     validate(a);
     if (!src || !weight || !dst || (a.has_bias && !bias))
         throw std::invalid_argument("null data pointer");
@@ -724,8 +792,13 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     std::shared_ptr<ConvEntry> ep = get_entry(a);
     const ConvEntry &e = *ep;
     const size_t first_binary = e.sum_slot >= 0 ? 1 : 0;
+    if (scale && !scale_id) throw std::invalid_argument("a weight scale without its id");
     memory wei = weight_cache().get(weight_id, weight_version, weight, e.wei_md, e.user_wei_md,
-                                    [&](memory &packed) { pack_weight(e, weight, packed); });
+                                    scale ? scale_id : 0, [&](memory &packed) {
+                                        if (!scale) return pack_weight(e, weight, packed);
+                                        auto tmp = scaled_copy(e.user_wei_md, a.oc, weight, scale);
+                                        pack_weight(e, tmp.get(), packed);
+                                    });
     if (e.wino) {
         run_winograd(a, e, src, wei, a.has_bias ? bias : nullptr, dst, residuals);
         return;
@@ -901,7 +974,7 @@ uint8_t *thread_scratch(size_t bytes) { return t_scratch.get(bytes); }
 dnnl::memory packed_weight(unsigned long long id, long long version, const void *user_ptr,
                            const dnnl::memory::desc &packed_md, const dnnl::memory::desc &user_md,
                            const std::function<void(dnnl::memory &)> &pack) {
-    return weight_cache().get(id, version, user_ptr, packed_md, user_md, pack);
+    return weight_cache().get(id, version, user_ptr, packed_md, user_md, 0, pack);
 }
 
 int guarded_call(const std::function<void()> &f) { return guarded(f); }
@@ -912,14 +985,20 @@ void write_error_str(char *out, int outlen, const std::string &msg) { write_str(
 
 extern "C" {
 
-int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
-                    long long weight_version, uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
+int cl_conv_forward_scaled(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
+                           long long weight_version, uintptr_t weight_scale, unsigned long long scale_id,
+                           uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
     return guarded([&] {
         if (!args) throw std::invalid_argument("null arguments");
         run_conv(*args, reinterpret_cast<const void *>(src), reinterpret_cast<const void *>(weight), weight_id,
-                 weight_version, reinterpret_cast<const void *>(bias), reinterpret_cast<void *>(dst),
-                 residuals);
+                 weight_version, reinterpret_cast<const float *>(weight_scale), scale_id,
+                 reinterpret_cast<const void *>(bias), reinterpret_cast<void *>(dst), residuals);
     });
+}
+
+int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
+                    long long weight_version, uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
+    return cl_conv_forward_scaled(args, src, weight, weight_id, weight_version, 0, 0, bias, dst, residuals);
 }
 
 const char *cl_last_error(void) { return t_last_error.c_str(); }
@@ -946,6 +1025,22 @@ void cl_weight_release(unsigned long long weight_id) {
         weight_cache().release(weight_id);
     } catch (...) {
     }
+}
+
+long long cl_weight_bytes(const unsigned long long *ids, long long n) {
+    try {
+        return weight_cache().bytes(ids, n);
+    } catch (...) {
+        return -1;
+    }
+}
+
+long long cl_thread_buffer_bytes(void) { return g_thread_buffer_bytes.load(); }
+
+void cl_release_thread_buffers(void) {
+    t_scratch.release();
+    t_temps.release();
+    t_mid.release();
 }
 
 void cl_get_stats(cl_stats *out) {

@@ -182,10 +182,11 @@ void fill_conv(Args& a, const int64_t* xsz, int64_t oc, int64_t groups, int64_t 
   }
 }
 
-// CONV out x w_const b_const(-1) nsp es dst_cl w_cl impl_rank oc groups ic k[nsp] s[nsp] p[nsp] d[nsp]
-//      npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
+// CONV out x w_const scale_const(-1) b_const(-1) nsp es dst_cl w_cl impl_rank oc groups ic k[nsp] s[nsp]
+//      p[nsp] d[nsp] npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
+// scale_const: per output channel, packed into the weight (a folded batch-norm).
 void Run::conv() {
-  const int64_t out = A(), x = A(), wi = A(), bi = A(), nsp = A(), es = A(), dst_cl = A(), w_cl = A();
+  const int64_t out = A(), x = A(), wi = A(), si = A(), bi = A(), nsp = A(), es = A(), dst_cl = A(), w_cl = A();
   const int64_t impl_rank = A();
   const int64_t oc = A(), groups = A(), ic = A();
   const int64_t *k = P(nsp), *s = P(nsp), *pd = P(nsp), *dl = P(nsp);
@@ -233,9 +234,11 @@ void Run::conv() {
   }
   const uintptr_t bias = bi >= 0 ? (uintptr_t)consts_[3 * bi] : 0;
   // An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
+  const uintptr_t scale = si >= 0 ? (uintptr_t)consts_[3 * si] : 0;
+  const unsigned long long scale_id = si >= 0 ? (unsigned long long)consts_[3 * si + 1] : 0;
   if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts_[3 * wi],
-                                   (unsigned long long)consts_[3 * wi + 1], consts_[3 * wi + 2], bias,
-                                   clw::addr(tmp_out), nres ? res_addr : nullptr))
+                                   (unsigned long long)consts_[3 * wi + 1], consts_[3 * wi + 2], scale, scale_id,
+                                   bias, clw::addr(tmp_out), nres ? res_addr : nullptr))
     fail(name + ": " + clw::conv_error());
   set(out, std::move(tmp_out));
 }
@@ -821,7 +824,7 @@ extern "C" {
 
 void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, int64_t nreals, const char* names,
                      int64_t names_len, const uintptr_t* kernels, int64_t nkernels, int64_t n_regs,
-                     int64_t n_syms, int64_t n_in, char* err, int errlen) {
+                     int64_t n_syms, int64_t n_in, int arena_layout, char* err, int errlen) {
   try {
     std::unique_ptr<clvm::Program> p(new clvm::Program);
     p->code.assign(code, code + ncode);
@@ -832,6 +835,8 @@ void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, in
     p->n_regs = n_regs;
     p->n_syms = n_syms;
     p->n_in = n_in;
+    if (arena_layout < 0 || arena_layout > 2) clw::fail("arena layout must be 0, 1 or 2");
+    p->pool.layout = arena_layout;
     p->pc_ns.reset(new std::atomic<int64_t>[(size_t)std::max<int64_t>(ncode, 1)]());
     // Structure only (opcodes known, operands inside the program); each
     // instruction checks its own operand count when it runs.
@@ -894,5 +899,26 @@ void cl_program_take_profile(void* prog, int64_t* ns, int64_t n) {
 }
 
 void cl_program_free(void* prog) { delete (clvm::Program*)prog; }
+
+// What the program's pool holds between calls: out[0] arena bytes, out[1] blocks kept
+// for the next call, out[2] the largest set of arena buffers live at once. Zeros while
+// a call has the pool leased.
+void cl_program_held(void* prog, int64_t* out) {
+  clvm::Program& p = *(clvm::Program*)prog;
+  out[0] = out[1] = out[2] = 0;
+  clw::Pool* pool = p.pool.p.exchange(nullptr);
+  if (!pool) return;
+  const clw::Pool::Held h = pool->held();
+  out[0] = h.arena;
+  out[1] = h.blocks;
+  out[2] = h.live_peak;
+  delete p.pool.p.exchange(pool);  // a call that started meanwhile made its own: keep one
+}
+
+// Frees the program's pool (arena and blocks); the next call lays one out again.
+void cl_program_release(void* prog) {
+  clvm::Program& p = *(clvm::Program*)prog;
+  delete p.pool.p.exchange(nullptr);
+}
 
 }  // extern "C"

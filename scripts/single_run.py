@@ -40,7 +40,10 @@ Output on stdout is CSV only; the last line is the last row.
   accuracy:    dev,name,batch_size,accuracy,calls_captured,unique_graphs,graph_breaks
   performance: dev,name,batch_size,speedup,abs_latency,compilation_latency,
                compression_ratio,eager_peak_mem,dynamo_peak_mem
-  (abs_latency in ms, compilation_latency in s, peak memory in GB.)
+  (abs_latency in ms, compilation_latency in s, peak memory in GB: for the compiled
+  model, what it holds between calls (cpu_layout.memory_stats: packed and derived
+  weights, arenas, pools, scratch, code; Inductor's frozen constants are not seen,
+  counted 0) plus the peak allocated in one call; eager's peak of one call.)
 Failure reasons (one line each), skip messages and the progress bar go to stderr.
 Exit status: 0 (also when rows report failures or a suite is skipped), 2 for bad
 arguments and for configurations that are not supported yet.

@@ -43,11 +43,13 @@ INT64_MAX = (1 << 63) - 1
 _RUNTIME_CDEF = """
 void* cl_program_new(const int64_t* code, int64_t ncode, const double* reals, int64_t nreals, const char* names,
                      int64_t names_len, const uintptr_t* kernels, int64_t nkernels, int64_t n_regs,
-                     int64_t n_syms, int64_t n_in, char* err, int errlen);
+                     int64_t n_syms, int64_t n_in, int arena_layout, char* err, int errlen);
 int cl_program_run(void* prog, const uintptr_t* in, const int64_t* consts, const int64_t* scalars,
                    uintptr_t* out, char* err, int errlen);
 void cl_program_free(void* prog);
 void cl_program_take_profile(void* prog, int64_t* ns, int64_t n);
+void cl_program_held(void* prog, int64_t* out);
+void cl_program_release(void* prog);
 long long cl_layout_copies(void);
 void cl_profile(int on);
 long long cl_arena_takes(void);
@@ -70,7 +72,7 @@ def _build_runtime() -> build.Library:
     def addr(name):
         return int(effi.cast("uintptr_t", effi.addressof(ext, name)))
 
-    lib.lib.cl_segment_init(addr("cl_conv_forward"), addr("cl_last_error"),
+    lib.lib.cl_segment_init(addr("cl_conv_forward_scaled"), addr("cl_last_error"),
                             addr("cl_copy_strided"), addr("cl_channel_shuffle"),
                             addr("cl_qconv_forward"), addr("cl_qmax_pool"))
     lib.lib.cl_arena_enable(1 if config.arenas() else 0)
@@ -193,7 +195,7 @@ class Program:
             ffi.new("int64_t[]", self.code or [0]), len(self.code), ffi.new("double[]", self.reals or [0.0]),
             len(self.reals), ffi.new("char[]", names or b"\0"), len(names),
             ffi.new("uintptr_t[]", kernel_addresses or [0]), len(kernel_addresses),
-            self.n_regs, self.n_syms, self.n_in, err, 1024)
+            self.n_regs, self.n_syms, self.n_in, config.arena_layout(), err, 1024)
         if prog == ffi.NULL:
             raise RuntimeError(f"cpu_layout: {ffi.string(err).decode('utf-8', 'replace')}")
         return rt, prog
@@ -332,6 +334,7 @@ class SegmentEncoder:
         nsp = n.x.rank - 2
         dst_cl = int(n.out.layout == L.CHANNELS_LAST)
         wi = self.consts.index(n.weight)
+        si = self.consts.index(n.weight_scale) if n.weight_scale is not None else -1
         bi = self.consts.index(n.bias) if n.bias is not None else -1
         parsed = ops._parse_post_ops(n.post_op_template(("add", torch.empty(0))))
         residuals = n.residuals()
@@ -343,7 +346,7 @@ class SegmentEncoder:
         post_ops = []
         for kind, alpha, beta, _ in parsed:
             post_ops += [kind, self.p.real(alpha), self.p.real(beta)]
-        self.p.op("CONV", out, x, wi, bi, nsp, ES[n.x.dtype], dst_cl, _weight_flag(weight_format(n.weight)),
+        self.p.op("CONV", out, x, wi, si, bi, nsp, ES[n.x.dtype], dst_cl, _weight_flag(weight_format(n.weight)),
                   n.impl_rank, int(n.weight.size[0]), n.groups, int(n.weight.size[1]) * n.groups,
                   k, n.stride, n.padding, n.dilation, len(parsed), post_ops, len(res), res,
                   self.reg[inplace] if inplace is not None else -1, self.fresh_flag(n.out),
