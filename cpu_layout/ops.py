@@ -370,8 +370,10 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
             raise ValueError(f"{name} is on {t.device}; cpu_layout runs on the CPU only")
     if x.dtype not in _DTYPES:
         raise TypeError(f"input dtype must be float32 or bfloat16, got {x.dtype}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    # A float32 weight of a bf16 conv is converted while packed (no bf16 copy kept).
+    if weight.dtype != x.dtype and not (weight.dtype == torch.float32 and x.dtype == torch.bfloat16):
+        raise TypeError(f"input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype "
+                        "(or a float32 weight for a bfloat16 input)")
     if bias is not None and bias.dtype != x.dtype:
         raise TypeError(f"input ({x.dtype}) and bias ({bias.dtype}) must have the same dtype")
     if x.numel() == 0 and (x.shape[0] != 0 or 0 in x.shape[1:]):
@@ -492,7 +494,8 @@ def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, 
 def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0, out=None,
          weight_scale=None):
     """`weight_scale`: float32 [out channels], multiplied into the weight when it is
-    packed (a folded batch-norm); the pair is cached by both tensors' serials."""
+    packed (a folded batch-norm); the pair is cached by both tensors' serials. A
+    float32 weight of a bfloat16 input is converted when packed."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("input and weight must be tensors")
     if bias is not None and not isinstance(bias, torch.Tensor):
@@ -544,10 +547,11 @@ def _run(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_
     y = empty_dense(prob.out_size, x.dtype, prob.dst_cl) if out is None else _checked_out(out, prob, x.dtype)
     if y.numel() == 0:  # an empty batch: oneDNN takes no zero-sized problem
         return y.squeeze(0) if unbatched else y
-    rc = lib.cl_conv_forward_scaled(
+    rc = lib.cl_conv_forward_packing(
         prob.args,
         x.data_ptr(),
         weight.data_ptr(),
+        _DTYPES[weight.dtype],
         _weight_serial(weight),
         content_version(weight),
         weight_scale.data_ptr() if weight_scale is not None else 0,

@@ -240,7 +240,7 @@ class ConvCall:
             bn_b = rest.pop(0) if self.bn_has[1] else None
             mean, var = rest.pop(0), rest.pop(0)
             if self.scaled:
-                scale, b = self.fold(b, bn_w, bn_b, mean, var, dtype=w.dtype)
+                scale, b = self.fold(b, bn_w, bn_b, mean, var, dtype=x.dtype)
             else:
                 w, b = self.fold(w, b, bn_w, bn_b, mean, var)
         if self.aten_attr is not None:

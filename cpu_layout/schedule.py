@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
+import torch
+
 from cpu_layout import config, ir, ops
 from cpu_layout import layout as L
 from cpu_layout import op_table as T
@@ -87,6 +89,7 @@ def plan(g: ir.Graph, choose: Optional[Callable[[ir.Node], str]] = None,
         choose = ir_plan.planner_choice(g, kernels)
     _propagate(g, choose)
     choose_conv_impls(g)
+    pack_from_float32_weights(g)
     if kernels:
         fuse.fuse_pointwise(g)
 
@@ -124,6 +127,31 @@ def choose_conv_impls(g: ir.Graph) -> None:
             n.impl = "aten"
         elif force == "auto" and d is not None:
             n.impl_rank = d.cost.nhwc_rank
+
+
+def pack_from_float32_weights(g: ir.Graph) -> None:
+    """A bf16 conv on the extension's oneDNN whose weight is a cast of a constant
+    float32 weight (autocast's `_to_copy`) reads the float32 weight itself: the
+    extension converts it while packing, so the packed copy is the only one kept
+    (resnet50 under autocast kept a 51 MB bf16 copy beside it). Convs on ATen's
+    oneDNN take the bf16 weight."""
+    for n in list(g.nodes):
+        if not (isinstance(n, ir.Pointwise) and n.op == "to" and n.out.constant):
+            continue
+        src, cast = n.inputs[0], n.out
+        if not (src.constant and src.dtype is torch.float32 and cast.dtype is torch.bfloat16
+                and L.same_sizes(src.eager_stride, cast.eager_stride)):
+            continue
+        convs = cast.users
+        if not convs or g.output is not None and cast in ir.values_of(g.output.values):
+            continue
+        if not all(isinstance(c, ir.Conv) and c.impl != "aten" and c.weight is cast and c.x.dtype is torch.bfloat16
+                   and c.inputs.count(cast) == 1 for c in convs):
+            continue
+        for c in list(convs):
+            g.replace_input(c, cast, src)
+            c.weight = src
+        g.remove(n)
 
 
 def bind(g: ir.Graph, extra_kernels=()):

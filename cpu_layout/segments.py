@@ -51,7 +51,8 @@ def runs_in_cpp(n: ir.Node) -> bool:
         w = n.weight
         return (n.bn is None and w.constant and P.weight_format(w) is not None
                 and all(T.float_tensor(b) and b.dtype == n.x.dtype for b in n.tensor_inputs()
-                        if b is not n.weight_scale)  # the scale is float32 in every dtype
+                        if b is not n.weight_scale and b is not w)  # those two may be float32
+                and T.float_tensor(w)
                 and (n.bias is None or n.bias.constant))
     if isinstance(n, ir.Kernel):  # float data, and the uint8 a (de)quantizing kernel loads or stores
         return all(T.float_tensor(b) or b.dtype is torch.uint8 for b in n.inputs + [n.out]) and n.out.rank <= 16
@@ -87,9 +88,10 @@ def _hoist_batch_norm(g: ir.Graph) -> None:
         pair.constant = True
         if scaled:
             src = src[1:]
-            fn = functools.partial(runtime.bn_scale_shift, eps=bn.eps, dtype=w.dtype)
+            dtype = conv.x.dtype  # a float32 weight of a bf16 conv: the bias is bf16
+            fn = functools.partial(runtime.bn_scale_shift, eps=bn.eps, dtype=dtype)
             outs = (g.new_buffer("scale", size=(oc,), dtype=torch.float32, eager_stride=(1,)),
-                    g.new_buffer("b", size=(oc,), dtype=w.dtype, eager_stride=(1,)))
+                    g.new_buffer("b", size=(oc,), dtype=dtype, eager_stride=(1,)))
         else:
             fn = functools.partial(runtime.fold_batch_norm, eps=bn.eps)
             outs = (g.new_buffer("w", size=w.size, dtype=w.dtype, eager_stride=L.contiguous_strides(w.size)),

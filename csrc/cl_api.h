@@ -94,13 +94,16 @@ typedef struct {
 int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight,
                     unsigned long long weight_id, long long weight_version,
                     uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
-/* The same with the weight's output channel o multiplied by weight_scale[o] (oc
- * floats; a batch-norm folded into the packing: no folded copy is kept). scale_id
- * names the scale tensor as weight_id names the weight: a new id repacks. */
-int cl_conv_forward_scaled(const cl_conv_args *args, uintptr_t src, uintptr_t weight,
-                           unsigned long long weight_id, long long weight_version,
-                           uintptr_t weight_scale, unsigned long long scale_id,
-                           uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
+/* The same with work done while the weight is packed, so that no folded or cast
+ * copy of it is kept: weight_dtype (CL_F32 or CL_BF16) is the dtype of the tensor at
+ * `weight` (converted to args->dtype: a float32 parameter under bf16 autocast), and
+ * output channel o is multiplied by weight_scale[o] (oc floats, NULL for none: a
+ * folded batch-norm). scale_id names the scale tensor as weight_id names the weight:
+ * a new id repacks. */
+int cl_conv_forward_packing(const cl_conv_args *args, uintptr_t src, uintptr_t weight, int weight_dtype,
+                            unsigned long long weight_id, long long weight_version,
+                            uintptr_t weight_scale, unsigned long long scale_id,
+                            uintptr_t bias, uintptr_t dst, const uintptr_t *residuals);
 
 /* Memory the extension holds between calls: the packed copies of the weights
  * ids[0..n) (n < 0: all of them), and every thread's scratch buffers. */

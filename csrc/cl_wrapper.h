@@ -70,7 +70,7 @@ AOTITorchError aoti_torch_cpu_index_Tensor(AtenTensorHandle, const AtenTensorHan
 
 namespace clw {
 
-typedef int (*conv_fn)(const cl_conv_args*, uintptr_t, uintptr_t, unsigned long long, long long,
+typedef int (*conv_fn)(const cl_conv_args*, uintptr_t, uintptr_t, int, unsigned long long, long long,
                        uintptr_t, unsigned long long, uintptr_t, uintptr_t, const uintptr_t*);
 typedef const char* (*error_fn)(void);
 typedef int (*copy_fn)(uintptr_t, uintptr_t, int, const int64_t*, const int64_t*, const int64_t*, int);

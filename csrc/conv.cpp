@@ -584,30 +584,29 @@ std::shared_ptr<ConvEntry> get_entry(const cl_conv_args &a) {
     return e;
 }
 
-// The user's weight with output channel o multiplied by scale[o] (a batch-norm
-// folded in), in the user's format and dtype: a temporary the packing reads, so the
-// folded weight is never kept beside the packed one. Rounded as fold_batch_norm in
-// runtime.py rounds (the float product, then bf16 to nearest even).
-std::unique_ptr<uint8_t[]> scaled_copy(const memory::desc &user_md, long long oc, const void *user_ptr,
-                                       const float *scale) {
+// The user's weight (in `src_dt`) in the primitive's dtype and the user's format,
+// output channel o multiplied by scale[o] when a scale is given (a batch-norm folded
+// in): a temporary the packing reads, so no folded or cast copy is kept beside the
+// packed one. Rounded as runtime.fold_batch_norm and a cast to bf16 round: the float
+// product, then to nearest even.
+std::unique_ptr<uint8_t[]> converted_copy(const memory::desc &user_md, long long oc, const void *user_ptr,
+                                          int src_dt, const float *scale) {
     const size_t bytes = user_md.get_size();
-    const bool bf = user_md.get_data_type() == dt::bf16;
-    const size_t es = bf ? 2 : 4, n = bytes / es;
+    const bool bf_out = user_md.get_data_type() == dt::bf16, bf_in = src_dt == CL_BF16;
+    const size_t n = bytes / (bf_out ? 2 : 4);
     if (oc <= 0 || n % static_cast<size_t>(oc) != 0)
         throw std::invalid_argument("weight scale: the weight does not split into its output channels");
     const size_t per = n / static_cast<size_t>(oc);  // output channels are outermost in every user format
     std::unique_ptr<uint8_t[]> out(new uint8_t[bytes]);
     for (long long o = 0; o < oc; ++o) {
-        const float k = scale[o];
+        const float k = scale ? scale[o] : 1.f;
         const size_t at = static_cast<size_t>(o) * per;
-        if (bf) {
-            const uint16_t *w = static_cast<const uint16_t *>(user_ptr) + at;
-            uint16_t *d = reinterpret_cast<uint16_t *>(out.get()) + at;
-            for (size_t j = 0; j < per; ++j) d[j] = clbf16::from_f32(clbf16::to_f32(w[j]) * k);
-        } else {
-            const float *w = static_cast<const float *>(user_ptr) + at;
-            float *d = reinterpret_cast<float *>(out.get()) + at;
-            for (size_t j = 0; j < per; ++j) d[j] = w[j] * k;
+        for (size_t j = at; j < at + per; ++j) {
+            const float w = bf_in ? clbf16::to_f32(static_cast<const uint16_t *>(user_ptr)[j])
+                                  : static_cast<const float *>(user_ptr)[j];
+            const float v = scale ? w * k : w;
+            if (bf_out) reinterpret_cast<uint16_t *>(out.get())[j] = clbf16::from_f32(v);
+            else reinterpret_cast<float *>(out.get())[j] = v;
         }
     }
     return out;
@@ -776,7 +775,7 @@ void run_winograd(const cl_conv_args &a, const ConvEntry &e, const void *src, co
     }
 }
 
-void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsigned long long weight_id,
+void run_conv(const cl_conv_args &a, const void *src, const void *weight, int weight_dt, unsigned long long weight_id,
               long long weight_version, const float *scale, unsigned long long scale_id, const void *bias,
               void *dst, const uintptr_t *residuals) {
     validate(a);
@@ -793,10 +792,11 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, unsign
     const ConvEntry &e = *ep;
     const size_t first_binary = e.sum_slot >= 0 ? 1 : 0;
     if (scale && !scale_id) throw std::invalid_argument("a weight scale without its id");
+    if (weight_dt != CL_F32 && weight_dt != CL_BF16) throw std::invalid_argument("weight dtype must be f32 or bf16");
     memory wei = weight_cache().get(weight_id, weight_version, weight, e.wei_md, e.user_wei_md,
                                     scale ? scale_id : 0, [&](memory &packed) {
-                                        if (!scale) return pack_weight(e, weight, packed);
-                                        auto tmp = scaled_copy(e.user_wei_md, a.oc, weight, scale);
+                                        if (!scale && weight_dt == a.dtype) return pack_weight(e, weight, packed);
+                                        auto tmp = converted_copy(e.user_wei_md, a.oc, weight, weight_dt, scale);
                                         pack_weight(e, tmp.get(), packed);
                                     });
     if (e.wino) {
@@ -985,12 +985,13 @@ void write_error_str(char *out, int outlen, const std::string &msg) { write_str(
 
 extern "C" {
 
-int cl_conv_forward_scaled(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
-                           long long weight_version, uintptr_t weight_scale, unsigned long long scale_id,
-                           uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
+int cl_conv_forward_packing(const cl_conv_args *args, uintptr_t src, uintptr_t weight, int weight_dtype,
+                            unsigned long long weight_id, long long weight_version, uintptr_t weight_scale,
+                            unsigned long long scale_id, uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
     return guarded([&] {
         if (!args) throw std::invalid_argument("null arguments");
-        run_conv(*args, reinterpret_cast<const void *>(src), reinterpret_cast<const void *>(weight), weight_id,
+        run_conv(*args, reinterpret_cast<const void *>(src), reinterpret_cast<const void *>(weight), weight_dtype,
+                 weight_id,
                  weight_version, reinterpret_cast<const float *>(weight_scale), scale_id,
                  reinterpret_cast<const void *>(bias), reinterpret_cast<void *>(dst), residuals);
     });
@@ -998,7 +999,8 @@ int cl_conv_forward_scaled(const cl_conv_args *args, uintptr_t src, uintptr_t we
 
 int cl_conv_forward(const cl_conv_args *args, uintptr_t src, uintptr_t weight, unsigned long long weight_id,
                     long long weight_version, uintptr_t bias, uintptr_t dst, const uintptr_t *residuals) {
-    return cl_conv_forward_scaled(args, src, weight, weight_id, weight_version, 0, 0, bias, dst, residuals);
+    return cl_conv_forward_packing(args, src, weight, args ? args->dtype : CL_F32, weight_id, weight_version, 0, 0,
+                                   bias, dst, residuals);
 }
 
 const char *cl_last_error(void) { return t_last_error.c_str(); }

@@ -182,11 +182,13 @@ void fill_conv(Args& a, const int64_t* xsz, int64_t oc, int64_t groups, int64_t 
   }
 }
 
-// CONV out x w_const scale_const(-1) b_const(-1) nsp es dst_cl w_cl impl_rank oc groups ic k[nsp] s[nsp]
-//      p[nsp] d[nsp] npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
-// scale_const: per output channel, packed into the weight (a folded batch-norm).
+// CONV out x w_const w_es scale_const(-1) b_const(-1) nsp es dst_cl w_cl impl_rank oc groups ic k[nsp]
+//      s[nsp] p[nsp] d[nsp] npost (kind alpha_real beta_real)*npost nres res[nres] inplace(-1) fresh name
+// w_es: the weight's element size (a float32 weight of a bf16 conv is converted while
+// packed); scale_const: per output channel, packed into the weight (a folded batch-norm).
 void Run::conv() {
-  const int64_t out = A(), x = A(), wi = A(), si = A(), bi = A(), nsp = A(), es = A(), dst_cl = A(), w_cl = A();
+  const int64_t out = A(), x = A(), wi = A(), w_es = A(), si = A(), bi = A(), nsp = A(), es = A(), dst_cl = A(),
+                w_cl = A();
   const int64_t impl_rank = A();
   const int64_t oc = A(), groups = A(), ic = A();
   const int64_t *k = P(nsp), *s = P(nsp), *pd = P(nsp), *dl = P(nsp);
@@ -236,7 +238,7 @@ void Run::conv() {
   // An empty batch has an empty result, as in eager (oneDNN takes no zero-sized problem).
   const uintptr_t scale = si >= 0 ? (uintptr_t)consts_[3 * si] : 0;
   const unsigned long long scale_id = si >= 0 ? (unsigned long long)consts_[3 * si + 1] : 0;
-  if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts_[3 * wi],
+  if (a.n > 0 && clw::conv_forward(&a, clw::addr(*xs), (uintptr_t)consts_[3 * wi], w_es == 4 ? CL_F32 : CL_BF16,
                                    (unsigned long long)consts_[3 * wi + 1], consts_[3 * wi + 2], scale, scale_id,
                                    bias, clw::addr(tmp_out), nres ? res_addr : nullptr))
     fail(name + ": " + clw::conv_error());

@@ -424,8 +424,8 @@ def test_a_conv_adds_a_dying_residual_in_place(dtype, compiled_graphs):
 def _conv_in_place(ops):
     """The residual register a CONV instruction takes over, -1 for none (operands as
     csrc/segment_vm.cpp's Run::conv reads them)."""
-    nsp = ops[5]
-    i = 13 + 4 * nsp  # out x w scale b nsp es dst_cl w_cl impl_rank oc groups ic, then k s p d
+    nsp = ops[6]
+    i = 14 + 4 * nsp  # out x w w_es scale b nsp es dst_cl w_cl impl_rank oc groups ic, then k s p d
     i += 1 + 3 * ops[i]  # post-ops
     i += 1 + ops[i]  # residuals
     return ops[i]

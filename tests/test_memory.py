@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cpu_layout
-from cpu_layout import memory, models, ops, runtime
+from cpu_layout import models, ops, runtime
 
 pytestmark = pytest.mark.usefixtures("no_grad", "strict_compile")
 
@@ -110,6 +110,39 @@ def test_scale_packed_into_weight_equals_a_folded_weight(dtype, impl_rank):
     got = ops._run(2, x, w, shift, 1, 1, 1, 1, (), "nhwc", impl_rank, weight_scale=scale)
     want = ops._run(2, x, wf, bf, 1, 1, 1, 1, (), "nhwc", impl_rank)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["cast", "cast_and_scale"])
+def test_float32_weight_of_a_bf16_conv_is_converted_while_packed(scaled):
+    """Bit for bit the conv on the weight cast to bf16 (and folded in float32 first)."""
+    x = torch.randn(2, 16, 12, 12).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 16, 3, 3)
+    scale = torch.rand(32) + 0.5 if scaled else None
+    want_w = (w * scale.reshape(-1, 1, 1, 1) if scaled else w).to(torch.bfloat16)
+    got = ops._run(2, x, w, None, 1, 1, 1, 1, (), "nhwc", weight_scale=scale)
+    assert torch.equal(got, ops._run(2, x, want_w, None, 1, 1, 1, 1, (), "nhwc"))
+    with pytest.raises(TypeError, match="same dtype"):
+        ops._run(2, x.float(), w.to(torch.bfloat16), None, 1, 1, 1, 1, (), "nhwc")
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["default", "cpp"])
+def test_autocast_keeps_no_bf16_copy_of_the_weights_and_follows_changes(cpp):
+    model, x = models.build("resnet18")
+    c = torch.compile(model, backend="cpu_layout", options={"cpp_wrapper": cpp})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            y = c(x)
+        ref = model(x)
+        assert y.dtype == ref.dtype and y.stride() == ref.stride()
+        torch.testing.assert_close(y.float(), ref.float(), rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+        s = cpu_layout.memory_stats(c)
+        conv = conv_weight_bytes(model)
+        assert s["weights_derived"] < 0.05 * conv  # no bf16 cast of the weights kept
+        assert conv / 2 * 0.95 <= s["weights_packed"] <= conv / 2 * 16 / 9 * 1.05  # packed in bf16
+        model.stem[0][0].weight.mul_(-1.0)  # the float32 source changed in place: repacked
+        y2, ref2 = c(x), model(x)
+        torch.testing.assert_close(y2.float(), ref2.float(), rtol=5e-2, atol=5e-2 * ref2.abs().max().item())
+        assert not torch.equal(y2, y)
 
 
 def test_a_new_scale_repacks_and_a_bad_one_is_refused():

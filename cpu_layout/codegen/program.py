@@ -72,7 +72,7 @@ def _build_runtime() -> build.Library:
     def addr(name):
         return int(effi.cast("uintptr_t", effi.addressof(ext, name)))
 
-    lib.lib.cl_segment_init(addr("cl_conv_forward_scaled"), addr("cl_last_error"),
+    lib.lib.cl_segment_init(addr("cl_conv_forward_packing"), addr("cl_last_error"),
                             addr("cl_copy_strided"), addr("cl_channel_shuffle"),
                             addr("cl_qconv_forward"), addr("cl_qmax_pool"))
     lib.lib.cl_arena_enable(1 if config.arenas() else 0)
@@ -346,7 +346,7 @@ class SegmentEncoder:
         post_ops = []
         for kind, alpha, beta, _ in parsed:
             post_ops += [kind, self.p.real(alpha), self.p.real(beta)]
-        self.p.op("CONV", out, x, wi, si, bi, nsp, ES[n.x.dtype], dst_cl, _weight_flag(weight_format(n.weight)),
+        self.p.op("CONV", out, x, wi, ES[n.weight.dtype], si, bi, nsp, ES[n.x.dtype], dst_cl, _weight_flag(weight_format(n.weight)),
                   n.impl_rank, int(n.weight.size[0]), n.groups, int(n.weight.size[1]) * n.groups,
                   k, n.stride, n.padding, n.dilation, len(parsed), post_ops, len(res), res,
                   self.reg[inplace] if inplace is not None else -1, self.fresh_flag(n.out),
