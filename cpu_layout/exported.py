@@ -126,6 +126,10 @@ class CompiledExport:
                     self.exported.graph_module, example, options, param_indices=state)
             # False: the graph runs eagerly (compile_or_eager warned why).
             self.compiled = hasattr(self._call, "cpu_layout_graph")
+            if self.compiled:
+                # Its traced graph (and every node's fake-tensor metadata) is not needed
+                # by the compiled code: kept, it was most of what a compile leaves behind.
+                self.exported = None
         else:
             if config.strict():
                 raise backend.CompileError(f"cpu_layout: cannot compile this ExportedProgram: {reason}")
