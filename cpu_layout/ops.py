@@ -335,6 +335,21 @@ def _fmt_class(t):
     return 2 if cf and cl else 0 if cf else 1 if cl else 3
 
 
+TRANSPOSED_1X1 = 4  # a weight class beside _fmt_class's: 1x1, stored [in][out]
+
+
+def is_transposed_1x1(size, stride) -> bool:
+    """A 1x1 conv weight [out, in, 1...] stored [in][out] (a linear's [in, out]
+    matrix read transposed, GPT-2's Conv1D): oneDNN packs it as it is (w_cl 2)."""
+    return (len(size) >= 3 and all(k == 1 for k in size[2:]) and size[0] > 1 and size[1] > 1
+            and stride[0] == 1 and stride[1] == size[0])
+
+
+def _weight_fmt_class(w):
+    c = _fmt_class(w)
+    return TRANSPOSED_1X1 if c == 3 and is_transposed_1x1(tuple(w.shape), w.stride()) else c
+
+
 def _hashable(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
@@ -436,6 +451,8 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
     # the output's layout. When both fit (size-1 dims) the bytes are the same.
     src_cl = dst_cl if xfmt in (2, 3) else xfmt == 1
     w_cl = wfmt == 1
+    if wfmt == TRANSPOSED_1X1 and (groups != 1 or not (isinstance(impl_rank, int) and 0 <= impl_rank <= 8)):
+        wfmt = 3  # only oneDNN's own kernels read it: copied contiguous per call
 
     a = ffi.new("cl_conv_args *")
     a.nsp = nsp
@@ -444,7 +461,7 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
     a.bias_dtype = _DTYPES[bias.dtype] if bias is not None else 0
     a.src_cl = src_cl
     a.dst_cl = dst_cl
-    a.w_cl = w_cl
+    a.w_cl = 2 if wfmt == TRANSPOSED_1X1 else int(w_cl)
     if not (isinstance(impl_rank, int) and (0 <= impl_rank <= 8 or impl_rank == WINOGRAD
                                             or merged_groups(impl_rank) in _MERGE_FACTORS)):
         raise ValueError("impl_rank must be an int in 0..8, ops.WINOGRAD or ops.MERGE_GROUPS + m "
@@ -468,7 +485,7 @@ def _validate(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops,
 
 def _problem(nsp, x, weight, bias, stride, padding, dilation, groups, post_ops, out_layout, impl_rank=0):
     xfmt = _fmt_class(x)
-    wfmt = 0 if weight.is_contiguous() else _fmt_class(weight)
+    wfmt = 0 if weight.is_contiguous() else _weight_fmt_class(weight)
     po_key, residuals = _post_op_key(post_ops)
     key = (
         nsp, x.dtype, x.shape, xfmt, weight.dtype, weight.shape, wfmt,

@@ -95,19 +95,15 @@ class Patterns:
         return Picked({0: xb})
 
     def _transposed_weight(self, name: str, w: ir.Buffer) -> ir.Buffer:
-        """W^T as a contiguous constant (computed once per change of W): a [K, N]
-        weight read as [N, K] by the 1x1 conv. ATen's addmm on the [K, N] weight
-        ran GPT-2's MLP products at 0.35x the conv's speed (7.8 vs 2.8 ms for
-        128x768 by 768x3072, EPYC Zen 5, 1 thread). It costs a copy of W beside
-        oneDNN's packed one."""
+        """W^T, a view: a [K, N] weight read as [N, K] by the 1x1 conv, which oneDNN
+        packs from W as it is (weight format 2, `ops.is_transposed_1x1`). ATen's
+        addmm on the [K, N] weight ran GPT-2's MLP products at 0.35x the conv's
+        speed (7.8 vs 2.8 ms for 128x768 by 768x3072, EPYC Zen 5, 1 thread)."""
         k, nout = w.size
         wt = self.g.new_buffer(size=(nout, k), dtype=w.dtype, eager_stride=(1, nout))
         self.g.add(ir.Aten(f"{name}_wt", [w], wt, rule=ir.VIEW, target=aten.permute.default, args=(w, [1, 0])))
-        out = self.g.new_buffer(size=(nout, k), dtype=w.dtype, eager_stride=L.contiguous_strides((nout, k)))
-        self.g.add(ir.Aten(f"{name}_wtc", [wt], out, rule=ir.EAGER, target=aten.clone.default, args=(wt,),
-                           kwargs={"memory_format": torch.contiguous_format}))
-        wt.constant = out.constant = True
-        return out
+        wt.constant = True
+        return wt
 
     def _linear_as_conv(self, n: FxNode):
         """`addmm(b, x, t(W))` / `mm(x, t(W))` with module weights (or a module
@@ -135,7 +131,8 @@ class Patterns:
         # A linear on module state alone (swin_v2's position-bias MLP over a
         # coordinate table) stays an ATen matmul: a constant node, computed once.
         if (xb.rank != 2 or w.rank != 2 or not w.constant or xb.constant or xb.dtype not in FLOAT
-                or not L.same_sizes(w.eager_stride, L.contiguous_strides(w.size))  # a weight, not a slice
+                or not (L.same_sizes(w.eager_stride, L.contiguous_strides(w.size))  # a weight, not a slice
+                        or w.eager_stride == (1, w.size[0]))  # or one stored [in, out]
                 or any(t.dtype != xb.dtype for t in (w, v))
                 or not all(type(s) is int for s in (xb.size[1], *w.size, v.shape[1]))
                 or (bb is not None and (not bb.constant or bb.rank != 1 or bb.dtype != xb.dtype))
@@ -156,7 +153,8 @@ class Patterns:
         x4 = view(f"{n.name}_in", view(f"{n.name}_xt", xb, aten.permute.default, ([1, 0],), (k, m)),
                   aten.view.default, ([1, k, 1, rows],), (1, k, 1, m))
         w4 = view(f"{n.name}_w", w, aten.view.default, ([nout, k, 1, 1],), (nout, k, 1, 1))
-        w4.eager_stride = L.contiguous_strides(w4.size)
+        w4.eager_stride = (L.contiguous_strides(w4.size) if w.eager_stride != (1, nout) or nout == 1
+                           else (1, nout, 1, 1))
         y4 = self.g.new_buffer(size=(1, nout, 1, m), dtype=xb.dtype,
                                eager_stride=L.strides_for_order((1, nout, 1, m), L.CHANNELS_LAST))
         self.g.add(ir.Conv(f"{n.name}_conv", [x4, w4] + ([bb] if bb is not None else []), y4, x=x4,

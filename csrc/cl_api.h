@@ -54,7 +54,8 @@ typedef struct {
     int has_bias;
     int src_cl;          /* 1: src is channels-last (NWC/NHWC/NDHWC), 0: NCW/NCHW/NCDHW */
     int dst_cl;
-    int w_cl;            /* 1: weight is channels-last (O..I), 0: contiguous (OI..) */
+    int w_cl;            /* 1: weight is channels-last (O..I), 0: contiguous (OI..), 2: a 1x1 weight
+                            stored [ic][oc] (a linear's [in, out] matrix; groups 1) */
     int impl_rank;       /* 0: oneDNN's first acceptable implementation; k (up to 8): the
                             k-th one after it when there is one (measured faster), else the
                             first; CL_IMPL_WINOGRAD: cpu_layout's Winograd;

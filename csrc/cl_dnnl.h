@@ -65,6 +65,15 @@ inline tag wei_tag(int nsp, bool grouped, bool cl) {
     throw std::invalid_argument("spatial rank must be 1, 2 or 3");
 }
 
+// A 1x1 weight stored [ic][oc] (w_cl 2): a linear's [in, out] matrix, as GPT-2's
+// Conv1D keeps it, read without a transposed copy.
+inline dnnl::memory::desc transposed_wei_md(const dnnl::memory::dims &d, dnnl::memory::data_type t) {
+    dnnl::memory::dims st(d.size(), d[0] * d[1]);  // d: [oc][ic][1...]
+    st[0] = 1;
+    st[1] = d[0];
+    return dnnl::memory::desc(d, t, st);
+}
+
 // oneDNN's eltwise algorithm (and its alpha/beta) for a CL_PO_* activation post-op.
 inline dnnl::algorithm eltwise_alg(int kind, float &alpha, float &beta) {
     switch (kind) {

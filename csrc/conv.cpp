@@ -128,7 +128,7 @@ Key make_key(const cl_conv_args &in) {
     a.bias_dtype = in.has_bias ? in.bias_dtype : 0;
     a.src_cl = in.src_cl ? 1 : 0;
     a.dst_cl = in.dst_cl ? 1 : 0;
-    a.w_cl = in.w_cl ? 1 : 0;
+    a.w_cl = in.w_cl;  // 0, 1 or 2 (validated)
     a.impl_rank = in.impl_rank;
     cldnn::copy_geometry(a, in);
     // With every spatial size 1 (squeeze-excitation and classifier convs), NCHW
@@ -162,6 +162,12 @@ void validate(const cl_conv_args &a) {
     for (int i = 0; i < a.n_post_ops; ++i) {
         int k = a.post_ops[i].kind;
         if (k < CL_PO_RELU || k > CL_PO_ADD) fail("unknown post-op kind " + std::to_string(k));
+    }
+    if (a.w_cl < 0 || a.w_cl > 2) fail("w_cl must be 0, 1 or 2");
+    if (a.w_cl == 2) {
+        bool unit = a.groups == 1 && (a.impl_rank >= 0 && a.impl_rank <= 8);
+        for (int i = 0; i < a.nsp; ++i) unit = unit && a.k_sp[i] == 1;
+        if (!unit) fail("a transposed weight (w_cl 2) is for 1x1 convs without groups on oneDNN's kernels");
     }
 }
 
@@ -556,7 +562,8 @@ std::shared_ptr<ConvEntry> build_entry(const cl_conv_args &a) {
     for (int i = 0; i < a.n_post_ops; ++i)
         if (a.post_ops[i].kind == CL_PO_ADD && i != sum_slot) e->add_slots.push_back(i);
 
-    e->user_wei_md = memory::desc(cldnn::conv_dims(a).wei, data_dt, wei_tag(a.nsp, a.groups > 1, a.w_cl));
+    e->user_wei_md = a.w_cl == 2 ? cldnn::transposed_wei_md(cldnn::conv_dims(a).wei, data_dt)
+                                 : memory::desc(cldnn::conv_dims(a).wei, data_dt, wei_tag(a.nsp, a.groups > 1, a.w_cl));
     e->user_src_md = memory::desc(e->src_md.get_dims(), data_dt, act_tag(a.nsp, scl));
     e->user_dst_md = memory::desc(e->dst_md.get_dims(), data_dt, act_tag(a.nsp, dcl));
     e->src_in.init(e->user_src_md, e->src_md, false);
@@ -589,25 +596,23 @@ std::shared_ptr<ConvEntry> get_entry(const cl_conv_args &a) {
 // in): a temporary the packing reads, so no folded or cast copy is kept beside the
 // packed one. Rounded as runtime.fold_batch_norm and a cast to bf16 round: the float
 // product, then to nearest even.
-std::unique_ptr<uint8_t[]> converted_copy(const memory::desc &user_md, long long oc, const void *user_ptr,
-                                          int src_dt, const float *scale) {
+std::unique_ptr<uint8_t[]> converted_copy(const memory::desc &user_md, long long oc, bool oc_inner,
+                                          const void *user_ptr, int src_dt, const float *scale) {
     const size_t bytes = user_md.get_size();
     const bool bf_out = user_md.get_data_type() == dt::bf16, bf_in = src_dt == CL_BF16;
     const size_t n = bytes / (bf_out ? 2 : 4);
     if (oc <= 0 || n % static_cast<size_t>(oc) != 0)
         throw std::invalid_argument("weight scale: the weight does not split into its output channels");
-    const size_t per = n / static_cast<size_t>(oc);  // output channels are outermost in every user format
+    // Output channels are outermost in every user format but the transposed 1x1
+    // one (w_cl 2: [ic][oc]), where they are innermost.
+    const size_t per = n / static_cast<size_t>(oc), noc = static_cast<size_t>(oc);
     std::unique_ptr<uint8_t[]> out(new uint8_t[bytes]);
-    for (long long o = 0; o < oc; ++o) {
-        const float k = scale ? scale[o] : 1.f;
-        const size_t at = static_cast<size_t>(o) * per;
-        for (size_t j = at; j < at + per; ++j) {
-            const float w = bf_in ? clbf16::to_f32(static_cast<const uint16_t *>(user_ptr)[j])
-                                  : static_cast<const float *>(user_ptr)[j];
-            const float v = scale ? w * k : w;
-            if (bf_out) reinterpret_cast<uint16_t *>(out.get())[j] = clbf16::from_f32(v);
-            else reinterpret_cast<float *>(out.get())[j] = v;
-        }
+    for (size_t j = 0; j < n; ++j) {
+        const float w = bf_in ? clbf16::to_f32(static_cast<const uint16_t *>(user_ptr)[j])
+                              : static_cast<const float *>(user_ptr)[j];
+        const float v = scale ? w * scale[oc_inner ? j % noc : j / per] : w;
+        if (bf_out) reinterpret_cast<uint16_t *>(out.get())[j] = clbf16::from_f32(v);
+        else reinterpret_cast<float *>(out.get())[j] = v;
     }
     return out;
 }
@@ -796,7 +801,8 @@ void run_conv(const cl_conv_args &a, const void *src, const void *weight, int we
     memory wei = weight_cache().get(weight_id, weight_version, weight, e.wei_md, e.user_wei_md,
                                     scale ? scale_id : 0, [&](memory &packed) {
                                         if (!scale && weight_dt == a.dtype) return pack_weight(e, weight, packed);
-                                        auto tmp = converted_copy(e.user_wei_md, a.oc, weight, weight_dt, scale);
+                                        auto tmp = converted_copy(e.user_wei_md, a.oc, a.w_cl == 2, weight,
+                                                                  weight_dt, scale);
                                         pack_weight(e, tmp.get(), packed);
                                     });
     if (e.wino) {
