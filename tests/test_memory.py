@@ -145,6 +145,27 @@ def test_autocast_keeps_no_bf16_copy_of_the_weights_and_follows_changes(cpp):
         assert not torch.equal(y2, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_stored_in_out_is_packed_as_it_is(dtype):
+    """GPT-2's Conv1D weight [in, out] read as a 1x1 conv's [out, in]: packed from
+    the view itself (no contiguous copy per call or kept), scale and cast included."""
+    x = torch.randn(1, 24, 1, 7).to(dtype).contiguous(memory_format=torch.channels_last)
+    w_io = torch.randn(24, 40)  # [in, out], as Conv1D keeps it
+    w = w_io.t().view(40, 24, 1, 1)
+    assert ops.is_transposed_1x1(tuple(w.shape), w.stride())
+    scale = torch.rand(40) + 0.5
+    prob, _ = ops._problem(2, x, w, None, 1, 0, 1, 1, (), "nhwc")
+    assert not prob.copy_w and prob.args.w_cl == 2
+    got = ops._run(2, x, w, None, 1, 0, 1, 1, (), "nhwc", weight_scale=scale)
+    want_w = (w.contiguous() * scale.reshape(-1, 1, 1, 1)).to(dtype)
+    assert torch.equal(got, ops._run(2, x, want_w, None, 1, 0, 1, 1, (), "nhwc"))
+    with pytest.raises(ValueError, match="transposed"):  # 1x1 convs without groups only
+        bad = ops.ffi.new("cl_conv_args *", prob.args[0])
+        bad.groups = 2
+        ops._native.check(ops.lib.cl_conv_forward(bad, x.data_ptr(), w.data_ptr(), 1, 0, 0, x.data_ptr(),
+                                                  ops.ffi.NULL))
+
+
 def test_a_new_scale_repacks_and_a_bad_one_is_refused():
     x, w = torch.randn(1, 8, 6, 6), torch.randn(4, 8, 3, 3)
     one = torch.ones(4)
