@@ -138,6 +138,14 @@ class CompiledExport:
             self.compiled = False
             self._module = self.exported.module()
 
+    def compiled_graphs(self) -> list:
+        """The backend's compiled graph (none after a fallback): what memory_stats reads."""
+        return [self._call] if self.compiled else []
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        """The program's parameters, buffers and constants, as its calls pass them."""
+        return [t for t in self._flat if t is not None]
+
     def _state_tensor(self, spec) -> torch.Tensor:
         """Parameters and persistent buffers are in the state dict; constants and
         non-persistent buffers (never in a state dict) in `constants`."""

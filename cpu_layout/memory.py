@@ -99,15 +99,12 @@ def _storage(t: torch.Tensor):
 def _model_graphs(model) -> tuple:
     """(graphs, module-state tensors) of what the user holds: a torch.compile'd
     module, a compile_exported result, a module, a compiled graph, or None (all)."""
-    from cpu_layout import exported
-
     with _lock:
         graphs = list(_graphs)
     if model is None:
         return graphs, []
-    if isinstance(model, exported.CompiledExport):
-        call = getattr(model, "_call", None)
-        return ([call] if call in graphs else []), [t for t in model._flat if t is not None]
+    if hasattr(model, "compiled_graphs"):  # what compile_exported returns
+        return [g for g in model.compiled_graphs() if g in graphs], model.state_tensors()
     if model in graphs:
         return [model], []
     module = getattr(model, "_orig_mod", model)
