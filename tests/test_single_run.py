@@ -195,6 +195,12 @@ def test_cpp_wrapper_end_to_end(scenario, cpp_supported):
             assert last[3] == "pass"
         else:
             assert float(last[3]) > 0 and float(last[4]) > 0
+            ratio, emem, dmem = map(float, last[6:9])
+            # The compiled figure counts what the model holds between calls: its three
+            # convs' packed weights at least (the call itself allocates only its output).
+            packed = 4 * (64 * 1 * 9 + 64 * 64 * 9 * 2)
+            assert dmem * 1e9 >= 0.9 * packed
+            assert ratio == pytest.approx(emem / dmem, rel=0.01)
     else:
         assert r.returncode == 2
         assert "not supported yet" in r.stderr and "cpp wrapper" in r.stderr
