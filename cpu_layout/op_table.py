@@ -159,7 +159,7 @@ def shape_exprs(n: ir.Node) -> tuple:
     (its arguments); () for any other node."""
     if not isinstance(n, ir.Aten):
         return ()
-    if n.target in RESHAPE_OPS:
+    if n.target in RESHAPE_OPS or n.target is aten.squeeze.dim:
         return tuple(n.out.size)
     if n.target is aten.as_strided.default:
         return (*n.out.size, *n.out.eager_stride)
@@ -313,7 +313,8 @@ OPS: Dict[object, AtenOp] = {
     aten.t.default: AtenOp(ir.VIEW, in_cpp=_permute_in_cpp, encode=_view),
     aten.transpose.int: AtenOp(ir.VIEW, in_cpp=_permute_in_cpp, encode=_view),
     aten.unsqueeze.default: AtenOp(ir.VIEW, in_cpp=_permute_in_cpp, encode=_view),
-    aten.squeeze.dim: AtenOp(ir.VIEW),
+    # A squeeze is the reshape to its result's sizes (dropping a size-1 dim always views).
+    aten.squeeze.dim: AtenOp(ir.VIEW, in_cpp=_reshape_in_cpp, encode=_view),
     # DENSE: a contiguous result whatever the inputs' strides (ATen's kernels
     # allocate it so), values independent of them.
     aten.addmm.default: AtenOp(ir.DENSE, in_cpp=_addmm_in_cpp, encode=_matmul),

@@ -442,7 +442,7 @@ class SegmentEncoder:
         x = self.read_aliased(n, a[0])
         out = self.out_reg(n)
         perm = permutation_of(t, a, a[0].rank)
-        if t in RESHAPE_OPS:
+        if t in RESHAPE_OPS or t is aten.squeeze.dim:
             self.p.op("RESHAPE", out, x, n.out.rank, _size_exprs(shape_exprs(n), slot_of))
         elif perm is not None:
             self.p.op("PERMUTE", out, x, a[0].rank, perm)
