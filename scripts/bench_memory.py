@@ -22,7 +22,9 @@ with it (convs timed before, kernels compiled before); `empty` measures the run 
 fills a new one (its compile's leftovers count). The table prints, per model and batch,
 each variant's growth in MB, the backend's own share (growth beyond aot_eager; beyond
 the RSS after export for cplexp), the reported figure and the share/reported ratio, the
-module's parameter bytes and the largest set of activations live at once in a segment.
+module's parameter bytes and the largest set of activations live at once in a segment;
+then `cr`, compression_ratio as the benchmarks report it (eager's peak in one call over
+the reported figure), and `rss cr`, eager's growth over the variant's.
 
     python scripts/bench_memory.py [--suite torchvision] [--models resnet50,densenet121]
         [--batches 1,8] [--variants eager,aot_eager,inductor,cplpy,cplcpp,cplexp]
@@ -96,6 +98,8 @@ def _child(spec: dict) -> dict:
             c(*args)
         gc.collect()
         out["growth"] = rss() - base
+        if what == "eager":
+            out["call_peak"] = B.peak_memory(lambda a: c(*a), args)
         if what.startswith("cpl"):
             import cpu_layout
 
@@ -150,7 +154,8 @@ def main(argv=None):
     print(f"# {_machine()}, {args.threads} thread(s); MB = 1e6 bytes; growth of RSS from the built model "
           f"to after four calls, fresh process per figure")
     print(f"{'model':16s} {'bs':>3s} {'cache':6s} " + " ".join(f"{v:>9s}" for v in variants)
-          + f" | {'variant':8s} {'share':>7s} {'reported':>8s} {'ratio':>6s} {'params':>7s} {'live':>6s}")
+          + f" | {'variant':8s} {'share':>7s} {'reported':>8s} {'ratio':>6s} {'params':>7s} {'live':>6s}"
+          + f" {'cr':>6s} {'rss cr':>6s}")
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for name in args.models.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
@@ -174,6 +179,9 @@ def main(argv=None):
                         rep = res[v]["reported"]
                         tail = (f" | {v:8s} {share / mb:7.1f} {rep / mb:8.1f} {share / rep:6.2f} "
                                 f"{res[v]['params'] / mb:7.1f} {res[v]['stats']['largest_live'] / mb:6.1f}")
+                        if "eager" in res:  # compression_ratio as the benchmarks report it, and from RSS
+                            tail += (f" {res['eager']['call_peak'] / rep:6.2f}"
+                                     f" {res['eager']['growth'] / res[v]['growth']:6.2f}")
                         print((line if first else " " * len(line)) + tail, flush=True)
                         first = False
                     if first:
