@@ -21,7 +21,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from cpu_layout import _native
-from cpu_layout.layout import CHANNELS_LAST, channels_last_strides, contiguous_strides, eager_memory_format
+from cpu_layout.layout import (CHANNELS_LAST, channels_last_strides, contiguous_strides, eager_memory_format,
+                               is_in_order, same_sizes)
 from cpu_layout._native import ffi, lib
 
 # impl_rank of cpu_layout's own Winograd F(2x2, 3x3) convolution (csrc/winograd.cpp).
@@ -343,6 +344,18 @@ def is_transposed_1x1(size, stride) -> bool:
     matrix read transposed, GPT-2's Conv1D): oneDNN packs it as it is (w_cl 2)."""
     return (len(size) >= 3 and all(k == 1 for k in size[2:]) and size[0] > 1 and size[1] > 1
             and stride[0] == 1 and stride[1] == size[0])
+
+
+def weight_format(size, stride) -> Optional[int]:
+    """oneDNN's w_cl flag for a weight of these sizes and strides (0 contiguous, 1
+    channels-last, 2 a 1x1 weight stored [in][out]), None if none of those."""
+    if same_sizes(stride, contiguous_strides(size)):
+        return 0
+    if len(size) in (4, 5) and is_in_order(size, stride, CHANNELS_LAST):
+        return 1
+    if all(type(s) is int for s in size) and is_transposed_1x1(size, stride):
+        return 2
+    return None
 
 
 def _weight_fmt_class(w):

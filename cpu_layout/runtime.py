@@ -147,6 +147,15 @@ def fold_batch_norm(w, b, bn_w, bn_b, mean, var, eps: float):
         return wf, shift.to(w.dtype).contiguous()
 
 
+def packs_own_weight(conv: ir.Conv) -> bool:
+    """Whether the extension packs this conv's weight from the weight as it is (its
+    own oneDNN conv, a weight in a form it reads): then a batch-norm's scale is
+    multiplied in and a float32 weight converted while packing, and no folded or
+    cast copy is kept. Convs on ATen's oneDNN, or on a weight in no such form, read
+    a folded copy."""
+    return conv.impl != "aten" and ops.weight_format(conv.weight.size, conv.weight.eager_stride) is not None
+
+
 def bn_scale_shift(b, bn_w, bn_b, mean, var, eps: float, dtype: torch.dtype):
     """An inference batch-norm after a conv as the per-output-channel scale its
     weight is multiplied by when packed (float32; the extension rounds the product
@@ -219,10 +228,8 @@ class ConvCall:
         self.n_residuals = len(node.residuals())
         self.has_bias = node.bias is not None
         # Memoized: the same tensors come back while the sources are unchanged,
-        # so the extension's packed-weight cache keeps hitting. The extension's
-        # own convs pack the batch-norm's scale into the weight (no folded copy
-        # kept); ATen's take a folded weight.
-        self.scaled = node.impl != "aten"
+        # so the extension's packed-weight cache keeps hitting.
+        self.scaled = packs_own_weight(node)
         fold = bn_scale_shift if self.scaled else fold_batch_norm
         self.fold = (Memoized(functools.partial(fold, eps=node.bn.eps))
                      if node.bn is not None else None)

@@ -130,11 +130,10 @@ def choose_conv_impls(g: ir.Graph) -> None:
 
 
 def pack_from_float32_weights(g: ir.Graph) -> None:
-    """A bf16 conv on the extension's oneDNN whose weight is a cast of a constant
-    float32 weight (autocast's `_to_copy`) reads the float32 weight itself: the
-    extension converts it while packing, so the packed copy is the only one kept
-    (resnet50 under autocast kept a 51 MB bf16 copy beside it). Convs on ATen's
-    oneDNN take the bf16 weight."""
+    """A bf16 conv whose weight is a cast of a constant float32 weight (autocast's
+    `_to_copy`) and which the extension packs itself (`runtime.packs_own_weight`)
+    reads the float32 weight: it is converted while packing, so the packed copy is
+    the only one kept (resnet50 under autocast kept a 51 MB bf16 copy beside it)."""
     for n in list(g.nodes):
         if not (isinstance(n, ir.Pointwise) and n.op == "to" and n.out.constant):
             continue
@@ -145,8 +144,8 @@ def pack_from_float32_weights(g: ir.Graph) -> None:
         convs = cast.users
         if not convs or g.output is not None and cast in ir.values_of(g.output.values):
             continue
-        if not all(isinstance(c, ir.Conv) and c.impl != "aten" and c.weight is cast and c.x.dtype is torch.bfloat16
-                   and c.inputs.count(cast) == 1 for c in convs):
+        if not all(isinstance(c, ir.Conv) and c.weight is cast and runtime.packs_own_weight(c)
+                   and c.x.dtype is torch.bfloat16 and c.inputs.count(cast) == 1 for c in convs):
             continue
         for c in list(convs):
             g.replace_input(c, cast, src)

@@ -73,16 +73,16 @@ def runs_in_cpp(n: ir.Node) -> bool:
 def _hoist_batch_norm(g: ir.Graph) -> None:
     """Folded batch-norm as explicit constant nodes, so convs read plain weights.
 
-    A conv on the extension's oneDNN reads its own weight and a per-channel scale
-    the weight is multiplied by when packed (`runtime.bn_scale_shift`): the packed
-    copy is the only derived one. A conv on ATen's (or with a weight in neither
-    dense form) reads a folded copy (`runtime.fold_batch_norm`)."""
+    A conv whose weight the extension packs itself (`runtime.packs_own_weight`)
+    reads that weight and a per-channel scale multiplied in while packing
+    (`runtime.bn_scale_shift`); any other reads a folded copy
+    (`runtime.fold_batch_norm`)."""
     for conv in [n for n in g.nodes if isinstance(n, ir.Conv) and n.bn is not None]:
         bn, w, b = conv.bn, conv.weight, conv.bias
         src = (w, b, bn.weight, bn.bias, bn.mean, bn.var)
         if not all(s is None or s.constant for s in src):
             continue
-        scaled = conv.impl != "aten" and P.weight_format(w) is not None
+        scaled = runtime.packs_own_weight(conv)
         oc = w.size[0]
         pair = g.new_buffer("fold")
         pair.constant = True

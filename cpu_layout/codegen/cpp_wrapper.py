@@ -182,7 +182,8 @@ def build(g: ir.Graph, bind, debug: bool = False):
         pack_entries = []
         for seg in part.segments:
             # Named by serial: what the extension's packed-weight cache keys on.
-            weights = {b for m in seg.members if isinstance(m, ir.Conv) for b in (m.weight, m.weight_scale)}
+            weights = {b for m in seg.members if isinstance(m, ir.Conv) for b in (m.weight, m.weight_scale)
+                       if b is not None}
             weights |= {b for m in seg.members for b in m.inputs if quant_cpp.is_weight(m, b)}
             pack_entries.append([(part.exports.index(b), b in weights, tuple(b.size), b.planned_strides())
                                  for b in seg.consts])

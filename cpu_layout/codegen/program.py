@@ -579,15 +579,8 @@ class SegmentEncoder:
 
 
 def weight_format(b: ir.Buffer) -> Optional[int]:
-    """oneDNN's w_cl flag for a constant weight in its eager strides (0 contiguous, 1
-    channels-last, 2 a 1x1 weight stored [in][out]), None if none of those."""
-    if L.same_sizes(b.eager_stride, L.contiguous_strides(b.size)):
-        return 0
-    if b.rank in (4, 5) and L.is_in_order(b.size, b.eager_stride, L.CHANNELS_LAST):
-        return 1
-    if all(type(s) is int for s in b.size) and ops.is_transposed_1x1(b.size, b.eager_stride):
-        return 2
-    return None
+    """oneDNN's w_cl flag for a constant weight in its eager strides (ops.weight_format)."""
+    return ops.weight_format(b.size, b.eager_stride)
 
 
 def _weight_flag(fmt: Optional[int]) -> int:
