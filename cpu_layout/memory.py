@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 import threading
 import weakref
 from typing import Dict, List
@@ -96,17 +97,18 @@ def _storage(t: torch.Tensor):
     return s.data_ptr(), s.nbytes()
 
 
-def _model_graphs(model) -> tuple:
-    """(graphs, module-state tensors) of what the user holds: a torch.compile'd
-    module, a compile_exported result, a module, a compiled graph, or None (all)."""
+def _model_parts(model) -> tuple:
+    """(`_parts` of each of its graphs, module-state tensors) of what the user holds: a
+    torch.compile'd module, a compile_exported result, a module, a compiled graph, or
+    None (every graph)."""
     with _lock:
         graphs = list(_graphs)
     if model is None:
-        return graphs, []
+        return [_parts(g) for g in graphs], []
     if hasattr(model, "compiled_graphs"):  # what compile_exported returns
-        return [g for g in model.compiled_graphs() if g in graphs], model.state_tensors()
+        return [_parts(g) for g in model.compiled_graphs() if g in graphs], model.state_tensors()
     if model in graphs:
-        return [model], []
+        return [_parts(model)], []
     module = getattr(model, "_orig_mod", model)
     if not isinstance(module, torch.nn.Module):
         raise TypeError("cpu_layout.memory_stats: expected a torch.compile'd module, a module, what "
@@ -114,8 +116,8 @@ def _model_graphs(model) -> tuple:
     state = list(module.parameters()) + list(module.buffers())
     ptrs = {t.data_ptr() for t in state}
     # A graph reads the module's state when its memoized nodes or prologue remember it.
-    mine = [g for g in graphs if any(t.data_ptr() in ptrs for t in _parts(g)[1])]
-    return mine, state
+    parts = [_parts(g) for g in graphs]
+    return [p for p in parts if any(t.data_ptr() in ptrs for t in p[1])], state
 
 
 def memory_stats(model=None) -> Dict[str, int]:
@@ -124,23 +126,24 @@ def memory_stats(model=None) -> Dict[str, int]:
     of the process), by kind (see KINDS and this module's docstring), and `total`.
     `largest_live` is the largest set of arena buffers live at once in the calls
     the arenas were laid out from (an arena of exactly that size wastes nothing)."""
+    return _stats(*_model_parts(model))
+
+
+def _stats(parts: list, state: list) -> Dict[str, int]:
     from cpu_layout import ops
 
-    graphs, state = _model_graphs(model)
     out = dict.fromkeys(KINDS, 0)
     out["largest_live"] = 0
     source_storages = {_storage(t)[0] for t in state}
     derived, serial_tensors, libraries = {}, list(state), {}
-    for g in graphs:
-        values, sources, segments, libs = _parts(g)
+    for values, sources, segments, libs in parts:
         source_storages |= {_storage(t)[0] for t in sources}
         serial_tensors += sources
         for v in values:
             for t in _tensors(v, []):
                 serial_tensors.append(t)
                 ptr, nbytes = _storage(t)
-                if ptr not in source_storages:
-                    derived[ptr] = nbytes
+                derived[ptr] = nbytes
         for s in segments:
             arena, blocks, live = s.held()
             out["arenas"] += arena
@@ -148,12 +151,12 @@ def memory_stats(model=None) -> Dict[str, int]:
             out["largest_live"] += live
         for lib in libs:
             libraries[lib.path] = lib
-    for ptr in source_storages:
+    for ptr in source_storages:  # a view of module state is not a copy
         derived.pop(ptr, None)
     out["weights_derived"] = sum(derived.values())
     serials = sorted({s for s in (getattr(t, "_cpu_layout_serial", None) for t in serial_tensors) if s})
     out["weights_packed"] = int(ops.lib.cl_weight_bytes(ops.ffi.new("unsigned long long[]", serials or [0]),
-                                                        len(serials))) if graphs or serials else 0
+                                                        len(serials)))
     out["scratch"] = int(ops.lib.cl_thread_buffer_bytes())
     out["code"] = sum(_file_size(p) for p in libraries)
     out["total"] = sum(out[k] for k in KINDS)
@@ -175,23 +178,22 @@ def release_memory(model=None) -> int:
     (as memory_stats counted them); the allocator may keep some of it (see trim)."""
     from cpu_layout import ops
 
-    graphs, _ = _model_graphs(model)
-    before = memory_stats(model)
-    for g in graphs:
-        for s in _parts(g)[2]:
+    parts, state = _model_parts(model)
+    kinds = ("arenas", "pools", "scratch")
+    before = _stats(parts, state)
+    for _, _, segments, _ in parts:
+        for s in segments:
             s.release()
     ops.lib.cl_release_thread_buffers()
     trim()
-    after = memory_stats(model)
-    return sum(before[k] for k in ("arenas", "pools", "scratch")) - sum(after[k] for k in ("arenas", "pools", "scratch"))
+    after = _stats(parts, state)
+    return sum(before[k] - after[k] for k in kinds)
 
 
 def after_compile() -> None:
     """What compiling grew goes back: the scratch buffers timing the convs grew
     (densenet121 at batch 8: 35 MB, where its calls need 10 kB) and, through
     `trim`, what the allocator keeps of freed memory (traced graphs, plan tables)."""
-    import sys
-
     ops = sys.modules.get("cpu_layout.ops")  # loaded when the graph has convs
     if ops is not None:
         ops.lib.cl_release_thread_buffers()
