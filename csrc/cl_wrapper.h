@@ -311,12 +311,7 @@ class Pool {
   // the largest set of arena buffers live at once in the call it was laid out from
   // (what the arena would be with no fragmentation).
   struct Held { int64_t arena, blocks, live_peak; };
-  Held held() const {
-    Held h{arena_top_, 0, live_peak_};
-    for (const auto* v : {&warm_, &cold_})
-      for (const Block& b : *v) h.blocks += b.cls * b.es;
-    return h;
-  }
+  Held held() const { return Held{arena_top_, bytes(warm_) + bytes(cold_), live_peak_}; }
   // Call ends: what no allocation took in this call is freed; the first call's
   // record becomes the arena.
   void end_call() {
@@ -331,16 +326,13 @@ class Pool {
     live_.clear();
     k_ = 0;
     diverged_ = false;
-    int64_t freed = 0;
-    for (const Block& b : cold_) freed += b.cls * b.es;
+    // The first call's blocks go now that the arena serves: glibc keeps freed heap
+    // memory, so give it back once (densenet121: 10 MB resident otherwise). Not for a
+    // few MB: a trim walks the whole heap (~0.1 s in a fragmented GB).
+    const bool trim = trim_ && !laid_out && bytes(cold_) >= (int64_t(8) << 20);
+    if (!laid_out) trim_ = false;
     cold_.clear();
-    if (trim_ && !laid_out) {
-      // The first call's blocks, freed now that the arena serves: glibc keeps freed
-      // heap memory, so give it back once (densenet121: 10 MB resident otherwise).
-      // Not for a few MB: a trim walks the whole heap (~0.1 s in a fragmented GB).
-      trim_ = false;
-      if (freed >= (int64_t(8) << 20)) release_free_memory();
-    }
+    if (trim) release_free_memory();
     std::swap(cold_, warm_);
     const bool on = g_arena_on.load(std::memory_order_relaxed) != 0;
     if (on != arena_on_) forget_arena();
@@ -522,6 +514,11 @@ class Pool {
   }
   struct Block { H t; int es; int64_t cls; };
   std::vector<Block> warm_, cold_;  // released in this call / left from the last one
+  static int64_t bytes(const std::vector<Block>& v) {
+    int64_t n = 0;
+    for (const Block& b : v) n += b.cls * b.es;
+    return n;
+  }
 
   struct Event { int64_t pc, bytes, id; };  // an allocation (bytes > 0) or a release (bytes 0) of buffer `id`
   std::vector<Event> trace_;                // the first call's, which the arena is laid out from

@@ -64,11 +64,11 @@ using cldnn::thread_stream;
 // into one buffer start, so that each is aligned for vector loads.
 size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
 
-// Grow-only per-thread buffer for scratchpads and bf16-emulation temporaries,
-// so the steady state allocates nothing per call.
-// Bytes all threads' buffers hold (cl_held_bytes reports them).
+// Bytes all threads' ThreadBuffers hold (cl_thread_buffer_bytes reports them).
 std::atomic<long long> g_thread_buffer_bytes{0};
 
+// Grow-only per-thread buffer for scratchpads and bf16-emulation temporaries,
+// so the steady state allocates nothing per call (cl_release_thread_buffers frees it).
 struct ThreadBuffer {
     std::unique_ptr<uint8_t[]> data;
     size_t size = 0;
@@ -997,8 +997,7 @@ int cl_conv_forward_packing(const cl_conv_args *args, uintptr_t src, uintptr_t w
     return guarded([&] {
         if (!args) throw std::invalid_argument("null arguments");
         run_conv(*args, reinterpret_cast<const void *>(src), reinterpret_cast<const void *>(weight), weight_dtype,
-                 weight_id,
-                 weight_version, reinterpret_cast<const float *>(weight_scale), scale_id,
+                 weight_id, weight_version, reinterpret_cast<const float *>(weight_scale), scale_id,
                  reinterpret_cast<const void *>(bias), reinterpret_cast<void *>(dst), residuals);
     });
 }
